@@ -1,0 +1,233 @@
+"""The one interface `train/` and `decode/` know about a frozen AR image model.
+
+Every family (the embedded digits model, Emu3, Janus-Pro, Lumina-mGPT, LlamaGen,
+Tar) implements `ARImageBackbone`. The decoders speak *grid positions* and
+*codebook ids* only:
+
+- token ``i`` of an image is grid cell ``(i // cols, i % cols)``; its value is a
+  codebook index in ``[0, codebook_size)`` (the backbone maps it to its own
+  vocabulary id);
+- a hidden state is indexed by the grid position it *predicts*: ``hidden[:, i]``
+  is the last-layer state (before the final norm) whose logits give the
+  distribution of token ``i``. Families whose flat sequence ends each row with an
+  end-of-line token (Emu3, Lumina-mGPT) insert it inside `step`, and the hidden
+  returned for the last token of a row is the end-of-line token's, the one that
+  predicts the first token of the next row. The spatial offsets of the draft
+  heads (+1, +cols) are therefore the same for every family.
+
+Classifier-free guidance runs the conditional and unconditional twins as one
+batch ``[cond; uncond]`` of ``2B`` rows; `guide` mixes their logits the family's
+way (on logits for Janus/LlamaGen, on log-probabilities for Emu3/Lumina-mGPT).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """Where an image's tokens sit in the backbone's flat sequence."""
+
+    rows: int
+    cols: int
+    end_of_line: bool = False  # True: an end-of-line token follows every row (Emu3, Lumina-mGPT)
+
+    @property
+    def num_tokens(self) -> int:
+        """Image tokens per image (end-of-line tokens excluded)."""
+        return self.rows * self.cols
+
+    @property
+    def row_stride(self) -> int:
+        """Distance in the flat sequence between a token and the one below it."""
+        return self.cols + int(self.end_of_line)
+
+    def flat_length(self, num_image_tokens: int) -> int:
+        """Flat-sequence length of the first `num_image_tokens` grid tokens (with their EOLs)."""
+        return num_image_tokens + (num_image_tokens // self.cols if self.end_of_line else 0)
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "cols": self.cols, "end_of_line": self.end_of_line}
+
+
+@dataclass
+class Condition:
+    """What to generate: class ids for class-conditional models, prompts for text-to-image ones."""
+
+    class_ids: torch.Tensor | None = None  # (B,) long
+    prompts: list[str] | None = None
+
+    def __post_init__(self):
+        if (self.class_ids is None) == (self.prompts is None):
+            raise ValueError("a Condition needs exactly one of class_ids or prompts")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.class_ids) if self.class_ids is not None else len(self.prompts)
+
+
+@dataclass
+class DecodeState:
+    """A batch being generated: the KV cache and how far it has got.
+
+    `cache` holds `2 * batch_size` rows ([cond; uncond]) when `guided`, else
+    `batch_size`. `prefix_length` is the flat length of the prompt part, the same
+    for every row.
+    """
+
+    cache: Any
+    batch_size: int
+    guided: bool
+    prefix_length: int
+    num_image_tokens: int = 0
+    extras: dict = field(default_factory=dict)  # family-specific (class ids, attention masks, ...)
+
+    @property
+    def cache_rows(self) -> int:
+        return 2 * self.batch_size if self.guided else self.batch_size
+
+
+class ARImageBackbone(nn.Module, ABC):
+    """A frozen autoregressive image generator behind a small, family-agnostic API."""
+
+    geometry: ImageGeometry
+    codebook_size: int
+    hidden_size: int
+    cfg_space: Literal["logits", "logprobs"]  # where `guide` mixes cond and uncond
+    name: str  # the model id, shown in errors and stored with exported heads
+
+    # ---- the model itself (family-specific) ----------------------------------------------
+
+    @abstractmethod
+    def prefill(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
+        """Run the condition (and its unconditional twin when `guided`) into a new KV cache.
+
+        Returns the state and the hidden state (rows, 1, hidden) predicting grid token 0.
+        """
+
+    @abstractmethod
+    def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
+        """Append flat tokens (rows, T') to the cache; return pre-norm hidden states (rows, T', hidden).
+
+        `flat_tokens` are codebook ids, with -1 where the family's end-of-line token goes.
+        """
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + image head restricted to image tokens: (..., hidden) -> (..., codebook_size)."""
+
+    @abstractmethod
+    def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding of image tokens, (...,) codebook ids -> (..., hidden)."""
+
+    @abstractmethod
+    def codebook_latents(self) -> torch.Tensor:
+        """(codebook_size, latent_dim): the VQ codebook vectors (for relaxed acceptance)."""
+
+    @abstractmethod
+    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, rows, cols) codebook ids -> (B, channels, height, width) images in [0, 1]."""
+
+    def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, channels, height, width) images in [0, 1] -> (B, rows, cols) codebook ids."""
+        raise NotImplementedError(f"{type(self).__name__} has no pixel encoder")
+
+    # ---- shared mechanics ------------------------------------------------------------------
+
+    def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """Append grid tokens (B, T) after the ones already in `state`; return their hidden states.
+
+        The result (rows, T, hidden) is indexed like the input: ``out[:, j]`` predicts
+        the grid token after ``tokens[:, j]``. Under guidance the same tokens are
+        fed to both twins.
+        """
+        if tokens.shape[0] != state.batch_size:
+            raise ValueError(f"step got {tokens.shape[0]} rows of tokens for a batch of {state.batch_size}")
+        start, count = state.num_image_tokens, tokens.shape[1]
+        if start + count > self.geometry.num_tokens:
+            raise ValueError(f"step would write past the image: {start} + {count} > {self.geometry.num_tokens}")
+        if state.guided:
+            tokens = torch.cat([tokens, tokens], dim=0)
+        flat, take = self._insert_end_of_line(tokens, start)
+        hidden = self._forward_flat(state, flat)
+        state.num_image_tokens = start + count
+        return hidden if take is None else hidden[:, take]
+
+    def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""
+        if not self.geometry.end_of_line:
+            return tokens, None
+        cols = self.geometry.cols
+        positions = torch.arange(start, start + tokens.shape[1])
+        ends_row = (positions + 1) % cols == 0
+        flat_columns, take, j = [], [], 0
+        for k, is_end in enumerate(ends_row.tolist()):
+            flat_columns.append(tokens[:, k : k + 1])
+            if is_end:  # the EOL's hidden predicts the next row's first token
+                flat_columns.append(torch.full_like(tokens[:, :1], -1))
+                j += 1
+            take.append(j)
+            j += 1
+        return torch.cat(flat_columns, dim=1), torch.tensor(take, device=tokens.device)
+
+    def rollback(self, state: DecodeState, num_image_tokens: int) -> None:
+        """Crop the cache back so that only the first `num_image_tokens` grid tokens remain."""
+        if not 0 <= num_image_tokens <= state.num_image_tokens:
+            raise ValueError(f"cannot roll back to {num_image_tokens} tokens from {state.num_image_tokens}")
+        excess = state.cache.get_seq_length() - (state.prefix_length + self.geometry.flat_length(num_image_tokens))
+        if excess > 0:
+            state.cache.crop(-excess)  # transformers >= 5: a negative count removes that many tokens
+        state.num_image_tokens = num_image_tokens
+
+    def guide(self, logits: torch.Tensor, scale: float) -> torch.Tensor:
+        """Mix a [cond; uncond] batch of logits (2B, ...) into guided scores (B, ...).
+
+        ``u + s * (c - u)`` on logits or on log-probabilities, per `cfg_space`.
+        The result is used as logits (softmax of it is the guided distribution).
+        """
+        cond, uncond = logits.float().chunk(2, dim=0)
+        if self.cfg_space == "logprobs":
+            cond, uncond = cond.log_softmax(-1), uncond.log_softmax(-1)
+        return uncond + scale * (cond - uncond)
+
+    def scores(self, state: DecodeState, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        """Hidden states of a batch (rows, T, hidden) -> next-token scores (B, T, codebook_size)."""
+        logits = self.logits(hidden)
+        return self.guide(logits, cfg_scale) if state.guided else logits.float()
+
+    @torch.no_grad()
+    def teacher_forced_hidden(self, condition: Condition, tokens: torch.Tensor, guided: bool = False) -> torch.Tensor:
+        """Hidden states for whole known images (B, N) -> (rows, N, hidden); ``out[:, i]`` predicts token i."""
+        state, first = self.prefill(condition, guided)
+        if tokens.shape[1] == 1:
+            return first
+        return torch.cat([first, self.step(state, tokens[:, :-1])], dim=1)
+
+    def identity(self) -> dict:
+        """What exported heads record and check: name, sizes, geometry and a weights fingerprint."""
+        return {
+            "name": self.name,
+            "family": type(self).__name__,
+            "hidden_size": self.hidden_size,
+            "codebook_size": self.codebook_size,
+            "geometry": self.geometry.to_dict(),
+            "weights_fingerprint": self.weights_fingerprint(),
+        }
+
+    def weights_fingerprint(self) -> str:
+        """A short hash of the output side of the model (cheap even for 8B models)."""
+        hidden = torch.zeros(1, self.hidden_size, device=self._device())
+        hidden[0, : min(8, self.hidden_size)] = 1.0
+        with torch.no_grad():
+            probe = self.logits(hidden).float().cpu().numpy().round(4)
+        return hashlib.sha1(probe.tobytes()).hexdigest()[:12]
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device

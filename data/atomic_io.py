@@ -1,0 +1,45 @@
+"""Atomic file writes: write to a temporary file beside the target, fsync, rename.
+
+A crash or a kill mid-write leaves either the old file or the new one, never a
+truncated one, so an interrupted export, shard or metrics file loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+
+@contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `target` atomically."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(target: str | Path, text: str) -> None:
+    """Write a text file atomically."""
+    with atomic_path(target) as tmp:
+        tmp.write_text(text)
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], target: str | Path, metadata: dict | None = None) -> None:
+    """Save tensors as safetensors atomically."""
+    with atomic_path(target) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)

@@ -1,0 +1,22 @@
+"""What every generator returns: the tokens and the cost of getting them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GenerationResult:
+    """A generated batch and its cost in backbone forward passes (the machine-independent cost)."""
+
+    tokens: torch.Tensor  # (B, rows, cols) codebook ids
+    forward_passes: int  # backbone forwards for the whole batch, prefill included
+    drafted_tokens: int = 0  # speculative methods: tokens proposed by the drafter
+    accepted_tokens: int = 0  # speculative methods: drafted tokens kept
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Image tokens produced per backbone pass, per image (1.0 for plain AR)."""
+        return self.tokens[0].numel() / self.forward_passes

@@ -1,0 +1,71 @@
+"""Turning next-token scores into distributions and tokens: temperature, top-k, top-p, greedy.
+
+Every generator (baseline and speculative) goes through `token_distribution`, so
+a speculative method verifies against exactly the distribution the baseline
+samples from. Greedy decoding is the one-hot distribution on the argmax, which
+makes the speculative acceptance rules reduce to "accept iff the argmax agrees".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn from the backbone's (guided) scores."""
+
+    cfg_scale: float = 1.0  # classifier-free guidance; 1.0 means conditional only (no uncond twin)
+    temperature: float = 1.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0  # nucleus mass; 1.0 keeps every token
+    greedy: bool = False  # argmax instead of sampling (temperature/top-k/top-p are then irrelevant)
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=true for argmax), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.cfg_scale < 0:
+            raise ValueError(f"cfg_scale must be >= 0, got {self.cfg_scale}")
+
+    @property
+    def guided(self) -> bool:
+        """Whether the unconditional twin is run at all (scale 1 needs no twin)."""
+        return self.cfg_scale != 1.0
+
+
+def token_distribution(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Scores (..., V) -> the probabilities (..., V) a token is drawn from."""
+    scores = scores.float()
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+    scores = scores / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per distribution: probs (..., V) -> tokens (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sample_tokens(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Scores (..., V) -> tokens (...), by the sampling settings."""
+    if sampling.greedy:
+        return scores.argmax(-1)
+    return sample_from(token_distribution(scores, sampling), generator)

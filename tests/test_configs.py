@@ -1,0 +1,65 @@
+"""Every option of every conf/ group composes and instantiates with tiny settings."""
+
+from pathlib import Path
+
+import hydra
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, compose_config
+from decode.cli import sampling_from_config
+
+TINY = ["backbone=digits_tiny", "data=digits_tiny", "trainer=debug"]
+# Options that load committed artefacts are instantiated for real too (they must exist on a fresh clone).
+GROUPS_WITH_TARGETS = ["backbone", "data", "module", "trainer", "logger"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def with_option(group: str, option: str) -> list[str]:
+    return [o for o in TINY if not o.startswith(f"{group}=")] + [f"{group}={option}"]
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS_WITH_TARGETS for o in options(g)])
+def test_group_option_instantiates(group, option, tmp_path):
+    cfg = compose_config(with_option(group, option), tmp_path)
+    obj = hydra.utils.instantiate(cfg[group])
+    assert obj is not None
+    if group == "data":
+        obj.setup("fit")
+        tokens, labels = next(iter(obj.train_dataloader()))
+        assert tokens.shape == (cfg.data.batch_size, cfg.data.grid_size**2) and labels.shape == (cfg.data.batch_size,)
+        assert 0 <= tokens.min() and tokens.max() < cfg.data.levels
+
+
+@pytest.mark.parametrize("option", options("callbacks"))
+def test_callbacks_instantiate(option, tmp_path):
+    cfg = compose_config(TINY + [f"callbacks={option}"], tmp_path)
+    callbacks = [hydra.utils.instantiate(node) for node in cfg.callbacks.values() if node]
+    assert callbacks
+
+
+@pytest.mark.parametrize("option", options("decode"))
+def test_decode_settings_are_valid(option, tmp_path):
+    cfg = compose_config(TINY + [f"decode={option}"], tmp_path)
+    sampling_from_config(cfg)  # raises on a bad value
+    assert cfg.decode.methods[0] == "ar" or "ar" not in cfg.decode.methods
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiments_compose_and_resolve(experiment, tmp_path):
+    cfg = compose_config([f"+experiment={experiment}"] + TINY, tmp_path)
+    assert cfg.experiment_name == experiment
+    OmegaConf.to_container(cfg.module, resolve=True)
+    first_lines = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text().splitlines()[:2]
+    assert first_lines[0] == "# @package _global_"
+    assert first_lines[1].startswith(f"# python -m train +experiment={experiment}")
+
+
+def test_paths_are_absolute_and_independent_of_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config([], tmp_path)
+    assert Path(cfg.paths.checkpoints_dir).is_absolute()
+    assert (Path(cfg.paths.checkpoints_dir) / "digits-backbone").parent == CONF_DIR.parent / "checkpoints"

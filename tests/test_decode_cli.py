@@ -1,0 +1,33 @@
+"""The decode CLI writes the figures every report is made of."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import compose_config
+from decode.cli import run_decode
+
+
+def test_decode_writes_metrics_pngs_and_tokens(tmp_path, classifier_cache):
+    out = tmp_path / "out"
+    cfg = compose_config(["backbone=digits_tiny", "decode.num_images=6", "decode.batch_size=4",
+                          f"decode.out={out}", "decode.save_tokens=true", f"paths.checkpoints_dir={classifier_cache}"],
+                         tmp_path)
+    run_decode(cfg)
+    metrics = json.loads((out / "metrics.json").read_text())
+    ar = metrics["methods"]["ar"]
+    for key in ("forward_passes_per_image", "seconds_per_image", "speedup_vs_ar", "nfe_reduction_vs_ar"):
+        assert key in ar
+    assert set(ar["quality"]) == {"classifier_accuracy", "frechet_distance"}
+    assert ar["forward_passes_per_image"] == 64 and ar["speedup_vs_ar"] == 1.0
+    assert (out / "ar.png").is_file()
+    tokens = np.load(out / "tokens_ar.npy")
+    assert tokens.shape == (6, 8, 8) and tokens.dtype == np.int64
+
+
+def test_unknown_method_is_refused(tmp_path, classifier_cache):
+    cfg = compose_config(["backbone=digits_tiny", "decode.methods=[ar,medusa9]", f"decode.out={tmp_path}",
+                          f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
+    with pytest.raises(ValueError, match="medusa9"):
+        run_decode(cfg)

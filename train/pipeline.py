@@ -1,0 +1,58 @@
+"""What `python -m train` does: build the objects a config names, fit, export, summarise."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def _instantiate_logged(name: str, node: DictConfig, **kwargs):
+    log.info("instantiating %s <%s>", name, node.get("_target_"))
+    return hydra.utils.instantiate(node, **kwargs)
+
+
+def _resume_path(cfg: DictConfig) -> str | None:
+    resume = cfg.train.resume
+    if resume in (False, None):
+        return None
+    if resume is True:
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise FileNotFoundError(
+                f"train.resume=true but there is no {last}; pass the run folder with "
+                "hydra.run.dir=<folder of the interrupted run> or give train.resume=<path to a .ckpt>"
+            )
+        return str(last)
+    if not Path(resume).is_file():
+        raise FileNotFoundError(f"train.resume={resume} is not a checkpoint file")
+    return str(resume)
+
+
+def run_training(cfg: DictConfig) -> dict:
+    """Seed, instantiate data, module, trainer (with logger and callbacks), fit, export; return metrics."""
+    pl.seed_everything(cfg.seed, workers=True)
+    Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
+
+    datamodule = _instantiate_logged("data", cfg.data)
+    module = _instantiate_logged("module", cfg.module)
+    callbacks = [_instantiate_logged(f"callback {k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
+    logger = _instantiate_logged("logger", cfg.logger) if cfg.get("logger") else False
+    trainer: pl.Trainer = _instantiate_logged("trainer", cfg.trainer, callbacks=callbacks, logger=logger)
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=_resume_path(cfg))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if trainer.is_global_zero:
+        export_dir = module.export(cfg.export.dir)
+        log.info("exported to %s", export_dir)
+        print(f"[train] exported {cfg.experiment_name} to {export_dir}")
+        for key, value in sorted(metrics.items()):
+            print(f"[train] {key} = {value:.4f}")
+    return metrics

@@ -1,0 +1,21 @@
+"""Learning-rate schedules shared by the training modules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  final_fraction: float = 0.05) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up for `warmup_steps`, then cosine decay to `final_fraction` of the peak at `total_steps`."""
+    total_steps = max(total_steps, warmup_steps + 1)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
