@@ -16,6 +16,7 @@ def generate_ar(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
     guided: bool | None = None,
+    record_hidden: bool = False,
 ) -> GenerationResult:
     """Generate one image per condition, one token per backbone pass.
 
@@ -25,16 +26,22 @@ def generate_ar(
     the batch advance together, so ``rows * cols`` passes make the whole batch.
 
     `guided` forces the [cond; uncond] batch on or off (default: on when
-    ``sampling.cfg_scale != 1``).
+    ``sampling.cfg_scale != 1``). `record_hidden` also returns the pre-norm hidden
+    states that predicted each token (cache rows, N, hidden): the distillation
+    corpus's offline targets, at no extra backbone cost.
     """
     guided = sampling.guided if guided is None else guided
     geometry = backbone.geometry
     state, hidden = backbone.prefill(condition, guided)
     tokens = torch.empty(condition.batch_size, geometry.num_tokens, dtype=torch.long, device=hidden.device)
+    recorded = hidden.new_empty(hidden.shape[0], geometry.num_tokens, hidden.shape[-1]) if record_hidden else None
     for position in range(geometry.num_tokens):
+        if record_hidden:
+            recorded[:, position] = hidden[:, -1]
         scores = backbone.scores(state, hidden[:, -1:], sampling.cfg_scale)  # (B, 1, V)
         next_token = sample_tokens(scores, sampling, generator)  # (B, 1)
         tokens[:, position] = next_token[:, 0]
         if position + 1 < geometry.num_tokens:  # the last token needs no pass of its own
             hidden = backbone.step(state, next_token)
-    return GenerationResult(tokens.view(-1, geometry.rows, geometry.cols), forward_passes=geometry.num_tokens)
+    return GenerationResult(tokens.view(-1, geometry.rows, geometry.cols), forward_passes=geometry.num_tokens,
+                            hidden=recorded)

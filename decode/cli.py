@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import re
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -27,23 +30,54 @@ from decode.images import save_image_grid, save_tokens
 from decode.quality import DigitsQuality
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
+from decode.ssd import SSDDecodeConfig, generate_ssd
+from heads.export import load_heads
 
 log = logging.getLogger(__name__)
 
 Generator = Callable[[ARImageBackbone, Condition, SamplingConfig, torch.Generator], GenerationResult]
 
 
-def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Generator]:
-    """The generators this run compares, by name (the baseline first)."""
-    available: dict[str, Callable[[], Generator]] = {"ar": lambda: generate_ar}
-    names = list(cfg.decode.methods)
-    unknown = [name for name in names if name not in available]
-    if unknown:
-        raise ValueError(f"unknown decode.methods {unknown}; available: {sorted(available)}")
+@dataclass
+class Method:
+    """A named way to generate: the generator function and the seed offset it samples with."""
+
+    generate: Generator
+    seed_offset: int = 0
+
+
+def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Method]:
+    """The generators this run compares, by name, the baseline first.
+
+    Names: ``ar`` (KV-cached baseline), ``ar_seed<K>`` (the baseline again with seed + K,
+    for its seed-to-seed band), ``ssd_exact``, ``ssd_autocorrect`` (rounds from
+    ``decode.ssd.rounds``) and ``ssd_autocorrect_r<K>`` (K rounds).
+    """
+    names = list(dict.fromkeys(cfg.decode.methods))
     if "ar" not in names:
         log.info("adding the KV-cached baseline 'ar': every speedup is measured against it in the same run")
     names = ["ar"] + [name for name in names if name != "ar"]
-    return {name: available[name]() for name in names}
+    heads = None
+    methods = {}
+    for name in names:
+        if name == "ar":
+            methods[name] = Method(generate_ar)
+        elif re.fullmatch(r"ar_seed\d+", name):
+            methods[name] = Method(generate_ar, seed_offset=int(name.removeprefix("ar_seed")))
+        elif re.fullmatch(r"ssd_exact|ssd_autocorrect(_r\d+)?", name):
+            heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device)
+            rounds = int(name.split("_r")[-1]) if "_r" in name else cfg.decode.ssd.rounds
+            ssd = SSDDecodeConfig(mode="exact" if name == "ssd_exact" else "autocorrect", rounds=rounds,
+                                  horizontal_steps=cfg.decode.ssd.horizontal_steps)
+            methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
+        else:
+            raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
+                             "ssd_autocorrect, ssd_autocorrect_r<K>")
+    return methods
+
+
+def _generate_ssd_with(backbone, condition, sampling, generator, heads, config):
+    return generate_ssd(backbone, heads, condition, sampling, generator, config)
 
 
 def sampling_from_config(cfg: DictConfig) -> SamplingConfig:
@@ -115,8 +149,9 @@ def run_decode(cfg: DictConfig) -> dict:
         "machine": platform.processor() or platform.machine(),
         "methods": {},
     }
-    for name, generate in methods.items():
-        tokens, figures = run_method(generate, backbone, class_ids, cfg.decode.batch_size, sampling, cfg.decode.seed, name)
+    for name, method in methods.items():
+        tokens, figures = run_method(method.generate, backbone, class_ids, cfg.decode.batch_size, sampling,
+                                     cfg.decode.seed + method.seed_offset, name)
         images = backbone.tokens_to_pixels(tokens)
         figures["quality"] = quality(images, class_ids)
         baseline = report["methods"].get("ar", figures)

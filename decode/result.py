@@ -15,6 +15,7 @@ class GenerationResult:
     forward_passes: int  # backbone forwards for the whole batch, prefill included
     drafted_tokens: int = 0  # speculative methods: tokens proposed by the drafter
     accepted_tokens: int = 0  # speculative methods: drafted tokens kept
+    hidden: torch.Tensor | None = None  # (cache rows, N, hidden) pre-norm states, when asked for
 
     @property
     def tokens_per_pass(self) -> float:

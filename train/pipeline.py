@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -15,6 +16,12 @@ log = logging.getLogger(__name__)
 def _instantiate_logged(name: str, node: DictConfig, **kwargs):
     log.info("instantiating %s <%s>", name, node.get("_target_"))
     return hydra.utils.instantiate(node, **kwargs)
+
+
+def _needs_backbone(node: DictConfig) -> bool:
+    """Whether a `_target_` takes the frozen backbone (built once, shared by data and module)."""
+    target = hydra.utils.get_object(node._target_)
+    return "backbone" in inspect.signature(target).parameters
 
 
 def _resume_path(cfg: DictConfig) -> str | None:
@@ -40,8 +47,11 @@ def run_training(cfg: DictConfig) -> dict:
     Path(cfg.paths.output_dir).mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
 
-    datamodule = _instantiate_logged("data", cfg.data)
-    module = _instantiate_logged("module", cfg.module)
+    shared = {}
+    if _needs_backbone(cfg.data) or _needs_backbone(cfg.module):
+        shared["backbone"] = _instantiate_logged("backbone", cfg.backbone)
+    datamodule = _instantiate_logged("data", cfg.data, **(shared if _needs_backbone(cfg.data) else {}))
+    module = _instantiate_logged("module", cfg.module, **(shared if _needs_backbone(cfg.module) else {}))
     callbacks = [_instantiate_logged(f"callback {k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     logger = _instantiate_logged("logger", cfg.logger) if cfg.get("logger") else False
     trainer: pl.Trainer = _instantiate_logged("trainer", cfg.trainer, callbacks=callbacks, logger=logger)

@@ -1,0 +1,45 @@
+"""Lightning DataModule over the distillation corpus (built on first use by the frozen backbone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader
+
+from backbones.base import ARImageBackbone
+from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
+
+
+class CorpusDataModule(pl.LightningDataModule):
+    """Streams (tokens, class_id[, hidden]) from the corpus; the last `val_shards` shards are held out."""
+
+    def __init__(self, backbone: ARImageBackbone, corpus_root: str, spec: dict, batch_size: int = 16,
+                 val_shards: int = 1, num_workers: int = 0, shuffle_buffer: int = 256, seed: int = 0):
+        super().__init__()
+        self.spec = CorpusSpec(**spec)
+        if not 0 < val_shards < self.spec.num_shards:
+            raise ValueError(f"data.val_shards must be in [1, {self.spec.num_shards - 1}] for a corpus of "
+                             f"{self.spec.num_shards} shards (raise data.spec.num_images or lower data.spec.shard_size)")
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.backbone = backbone
+        self.directory = Path(corpus_root) / f"{backbone.name}-{self.spec.digest(backbone.identity())}"
+        self.batch_size, self.val_shards = batch_size, val_shards
+        self.num_workers, self.shuffle_buffer, self.seed = num_workers, shuffle_buffer, seed
+
+    def prepare_data(self) -> None:
+        build_corpus(self.backbone, self.directory, self.spec)
+
+    def _shards(self, split: str) -> list[str]:
+        names = [shard_name(i) for i in range(self.spec.num_shards)]
+        return names[: -self.val_shards] if split == "train" else names[-self.val_shards :]
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = corpus_dataset(self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True,
+                                 seed=self.seed)
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(corpus_dataset(self.directory, self._shards("val")), batch_size=self.batch_size,
+                          num_workers=self.num_workers)

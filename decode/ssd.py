@@ -1,0 +1,221 @@
+"""SSD decoding: draft a whole row with latent heads, verify it in one backbone pass.
+
+Spatially Speculative Decoding (Xiang et al., 2026). The image is generated row
+by row. For row ``r``:
+
+1. The first token of the row is drawn from the backbone's own distribution
+   (the hidden state after the previous row is known), so it is always right.
+2. Every other position is drafted: the vertical head predicts the hidden state
+   of each position from the state and token directly above (row ``r - 1``); the
+   horizontal head predicts the first ``horizontal_steps`` positions after a
+   token the backbone has just given (row 0 has nothing above, so it is drafted
+   horizontally end to end). Draft logits are the backbone's frozen final norm
+   and head applied to the predicted states, guided by CFG exactly as the
+   baseline's; draft tokens are drawn from them with the baseline's sampling
+   settings.
+3. One backbone pass over the row (all images of the batch together, the cache
+   rolled back to the row's start) gives the target distribution ``p`` at every
+   position. Then, per mode:
+
+   - ``exact``: standard speculative sampling (Leviathan et al., 2023; Chen et
+     al., 2023). Left to right, accept draft ``x`` with probability
+     ``min(1, p(x) / q(x))``; at the first rejection draw from the residual
+     ``norm(max(0, p - q))`` and stop. The positions after it are re-drafted
+     (horizontal head from the corrected token) and the row is verified again
+     until every image has its whole row. Lossless: greedy output is the greedy
+     baseline's token for token, sampled output has the baseline's distribution.
+     A row costs 1 + (most rejections of any image in the batch) passes.
+   - ``autocorrect`` (the paper's): test every position in parallel against
+     ``p``, resample *every* rejected position from its residual in the same
+     pass, and re-verify the corrected row with the cache rolled back, for
+     ``rounds`` more passes; a row costs at most ``rounds + 1`` passes.
+     Approximation: a token resampled after the last pass, and any accepted
+     token to its right, was judged against a left context that differs from
+     the final one, so the output distribution is not exactly the backbone's
+     (``rounds`` large enough makes it exact: a row whose every position passes
+     the test is an exact speculative-sampling outcome). The reports put its
+     quality metrics beside the baseline's.
+
+Batching: all images of a batch work on the same row, so every pass feeds the
+same number of tokens and one cache length serves them all; an image that has
+finished its row re-feeds it unchanged until the others finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from backbones.base import ARImageBackbone, Condition, DecodeState
+from decode.result import GenerationResult
+from decode.sampling import SamplingConfig, sample_from, token_distribution
+from heads.ssd import SSDHeads
+
+
+@dataclass(frozen=True)
+class SSDDecodeConfig:
+    """How SSD drafts and verifies."""
+
+    mode: Literal["exact", "autocorrect"] = "exact"
+    rounds: int = 1  # autocorrect: re-verification passes per row after the first (a row costs <= rounds + 1)
+    horizontal_steps: int = 1  # positions drafted by the horizontal head after a token the backbone gave
+
+    def __post_init__(self):
+        if self.mode not in ("exact", "autocorrect"):
+            raise ValueError(f"SSD mode must be 'exact' or 'autocorrect', got {self.mode!r}")
+        if self.rounds < 0 or self.horizontal_steps < 0:
+            raise ValueError(f"SSD rounds and horizontal_steps must be >= 0, got {self.rounds}, {self.horizontal_steps}")
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last axis; where p <= q everywhere (only by rounding), p itself."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
+class _RowDrafter:
+    """Drafting and target distributions for one generation: heads + backbone + sampling settings."""
+
+    def __init__(self, backbone: ARImageBackbone, heads: SSDHeads, state: DecodeState, sampling: SamplingConfig,
+                 generator: torch.Generator | None):
+        self.backbone, self.heads, self.state, self.sampling, self.generator = backbone, heads, state, sampling, generator
+
+    def twin(self, images: torch.Tensor) -> torch.Tensor:
+        """Image indices (k,) -> their cache rows ([cond; uncond] under guidance)."""
+        return torch.cat([images, images + self.state.batch_size]) if self.state.guided else images
+
+    def distribution(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of cache rows (G, T, H) -> token distributions of images (G / twins, T, V)."""
+        return token_distribution(self.backbone.scores(self.state, hidden, self.sampling.cfg_scale), self.sampling)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens of images (k, ...) -> embeddings for their cache rows (G, ..., H)."""
+        embedded = self.backbone.embed_image_tokens(tokens)
+        return torch.cat([embedded, embedded]) if self.state.guided else embedded
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return sample_from(probs, self.generator)
+
+    def vertical(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts for a whole row from the row above: (tokens (B, C), q (B, C, V))."""
+        q = self.distribution(self.heads.vertical(hidden_above, self.embed(tokens_above)))
+        return self.sample(q), q
+
+    def horizontal(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int) -> None:
+        """Re-draft `steps` positions after `positions` (one per image in `images`), in place.
+
+        `hidden` (rows of `images`, H) predicts the token at `positions`, which is `tokens`.
+        """
+        cols = row_tokens.shape[1]
+        for step in range(steps):
+            target = positions + 1 + step
+            inside = target < cols
+            if not inside.any():
+                return
+            hidden = self.heads.horizontal(hidden, self.embed(tokens))  # (rows, H)
+            q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
+            tokens = self.sample(q)
+            row_tokens[images[inside], target[inside]] = tokens[inside]
+            row_q[images[inside], target[inside]] = q[inside]
+
+
+@torch.inference_mode()
+def generate_ssd(
+    backbone: ARImageBackbone,
+    heads: SSDHeads,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    config: SSDDecodeConfig = SSDDecodeConfig(),
+) -> GenerationResult:
+    """Generate one image per condition with SSD row drafting and verification (see the module docstring)."""
+    rows, cols = backbone.geometry.rows, backbone.geometry.cols
+    state, h_first = backbone.prefill(condition, sampling.guided)  # h_first: (G, 1, H) predicts the row's first token
+    drafter = _RowDrafter(backbone, heads, state, sampling, generator)
+    batch, device = condition.batch_size, h_first.device
+    every_image = torch.arange(batch, device=device)
+    tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
+    passes, drafted, accepted = 1, 0, 0  # the prefill is a pass
+    cache_valid = 0  # grid tokens whose cached keys/values belong to the committed tokens of every image
+    first_exact = torch.ones(batch, dtype=torch.bool, device=device)  # h_first came from the committed context
+    hidden_above = tokens_above = None
+
+    for row in range(rows):
+        row_start = row * cols
+        # 1-2. First token from the backbone, drafts for the rest.
+        row_tokens = torch.empty(batch, cols, dtype=torch.long, device=device)
+        row_q = torch.zeros(batch, cols, backbone.codebook_size, device=device)
+        if row > 0:
+            row_tokens[:], row_q[:] = drafter.vertical(hidden_above, tokens_above)
+        row_q[:, 0] = drafter.distribution(h_first)[:, 0]
+        row_tokens[:, 0] = drafter.sample(row_q[:, 0])
+        steps = cols - 1 if row == 0 else config.horizontal_steps
+        drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
+                           row_tokens[:, 0], steps)
+        committed = first_exact.long()  # (B,) positions of this row already final
+        verify_passes = 0
+
+        # 3. Verify until the row is complete (exact) or the rounds are spent (autocorrect).
+        while True:
+            backbone.rollback(state, cache_valid)
+            feed = torch.cat([tokens[:, cache_valid:row_start], row_tokens], dim=1)  # (B, L)
+            out = backbone.step(state, feed)  # (G, L, H)
+            passes, verify_passes = passes + 1, verify_passes + 1
+            offset = row_start - cache_valid  # where the row starts inside `feed`
+            if offset > 0:  # the previous row was re-fed: its last output is the exact first-token state
+                h_first = out[:, offset - 1 : offset]
+            row_hidden = torch.cat([h_first, out[:, offset : offset + cols - 1]], dim=1)  # (G, C, H) predicts each position
+            cache_valid = row_start
+            p = drafter.distribution(row_hidden)  # (B, C, V)
+            px = p.gather(-1, row_tokens[..., None])[..., 0]
+            qx = row_q.gather(-1, row_tokens[..., None])[..., 0]
+            uniform = torch.rand(px.shape, generator=generator, device=device)
+            passed = uniform * qx < px  # accept with probability min(1, p/q)
+            is_committed = torch.arange(cols, device=device)[None] < committed[:, None]
+            passed |= is_committed
+            open_images = committed < cols
+            drafted += int((~is_committed & open_images[:, None]).sum())
+
+            if config.mode == "exact":
+                first_rejected = torch.where(passed.all(1), cols, (~passed).float().argmax(1))  # (B,)
+                accepted += int(((first_rejected - committed).clamp(min=0) * open_images).sum())
+                rejected_images = torch.nonzero(first_rejected < cols)[:, 0]
+                if len(rejected_images) == 0:
+                    break
+                position = first_rejected[rejected_images]
+                residual = residual_distribution(p[rejected_images, position], row_q[rejected_images, position])
+                row_tokens[rejected_images, position] = drafter.sample(residual)
+                committed = torch.where(first_rejected < cols, first_rejected + 1, cols)
+                if row == rows - 1 and bool((committed >= cols).all()):
+                    break  # the image is complete; no next row needs the state after the correction
+                drafter.horizontal(row_tokens, row_q, rejected_images, position,
+                                   row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)],
+                                   row_tokens[rejected_images, position], cols - 1 if row == 0 else config.horizontal_steps)
+            else:
+                still_open = open_images & ~passed.all(1)
+                accepted += int((passed & ~is_committed & open_images[:, None]).sum())
+                resample = ~passed & still_open[:, None]  # (B, C)
+                if resample.any():
+                    residual = residual_distribution(p[resample], row_q[resample])
+                    row_tokens[resample], row_q[resample] = drafter.sample(residual), residual
+                committed = torch.where(still_open, committed, cols)
+                if not still_open.any() or verify_passes > config.rounds:
+                    break
+
+        tokens[:, row_start : row_start + cols] = row_tokens
+        # Which images' cache rows now hold exactly their final row (autocorrect may have resampled after the pass).
+        fed_is_final = committed >= cols
+        if config.mode == "autocorrect" and not bool(fed_is_final.all()):
+            first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
+            cache_valid = row_start  # the next pass re-feeds this row for everyone
+        else:
+            first_exact = torch.ones_like(first_exact)
+            cache_valid = row_start + cols
+        h_first = out[:, -1:]
+        hidden_above, tokens_above = row_hidden, row_tokens
+
+    return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,
+                            accepted_tokens=accepted)

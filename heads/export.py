@@ -1,0 +1,121 @@
+"""Export trained draft heads as safetensors + config, and load them back with a compatibility check.
+
+An export is a directory holding
+
+- ``heads.safetensors``: the trainable parameters only, with the full config
+  embedded in the file's metadata, so that one atomic rename publishes weights
+  and config together (an interrupted export leaves the previous one loadable);
+- ``heads.json``: the same config, for people and other tools to read.
+
+The config records the head kind and hyperparameters, the dtype, and the
+backbone's identity (name, hidden size, codebook size, geometry, weights
+fingerprint). `load_heads` refuses heads whose backbone does not match.
+
+Use from your own inference script::
+
+    from heads.export import load_heads
+    heads = load_heads("checkpoints/ssd_digits", backbone)
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from data.atomic_io import atomic_save_safetensors, atomic_write_text
+from heads.ssd import SSDHeadConfig, SSDHeads
+
+HEADS_FILE = "heads.safetensors"
+CONFIG_FILE = "heads.json"
+FORMAT_VERSION = 1
+# kind -> (module class, config class); a new head family registers here.
+HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {"ssd": (SSDHeads, SSDHeadConfig)}
+
+
+class HeadsMismatchError(ValueError):
+    """Heads were trained for another backbone, geometry or vocabulary."""
+
+
+def export_heads(heads: nn.Module, directory: str | Path, backbone_identity: dict, extra: dict | None = None) -> Path:
+    """Write `heads` (trainable parameters only) and their config into `directory`; return the directory."""
+    directory = Path(directory)
+    tensors = {name: p.detach().cpu().contiguous() for name, p in heads.named_parameters() if p.requires_grad}
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config = {
+        "format_version": FORMAT_VERSION,
+        "kind": heads.kind,
+        "head": heads.config.to_dict(),
+        "dtype": dtype,
+        "backbone": backbone_identity,
+        **(extra or {}),
+    }
+    text = json.dumps(config, indent=2) + "\n"
+    atomic_save_safetensors(tensors, directory / HEADS_FILE, metadata={"config": text})
+    atomic_write_text(directory / CONFIG_FILE, text)
+    return directory
+
+
+def read_heads_config(directory: str | Path) -> dict:
+    """The config embedded in an export (the authoritative copy, written with the weights)."""
+    path = Path(directory) / HEADS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no exported heads at {path}; train them first (`python -m train +experiment=ssd_digits`) "
+            "or point decode.heads at an export directory"
+        )
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}); it may be truncated: re-export it") from error
+    if "config" not in metadata:
+        raise ValueError(f"{path} carries no head config in its metadata: it was not written by heads.export")
+    return json.loads(metadata["config"])
+
+
+def check_compatible(config: dict, backbone_identity: dict, where: str) -> None:
+    """Raise HeadsMismatchError when heads do not fit the backbone; warn when only its weights differ."""
+    trained_for = config["backbone"]
+    problems = []
+    for key in ("hidden_size", "codebook_size", "geometry"):
+        if trained_for.get(key) != backbone_identity.get(key):
+            problems.append(f"{key}: heads {trained_for.get(key)}, backbone {backbone_identity.get(key)}")
+    if trained_for.get("family") != backbone_identity.get("family"):
+        problems.append(f"family: heads {trained_for.get('family')}, backbone {backbone_identity.get('family')}")
+    if problems:
+        raise HeadsMismatchError(
+            f"the heads at {where} were trained for {trained_for.get('name')!r}, not for this backbone "
+            f"{backbone_identity.get('name')!r} ({'; '.join(problems)}). Train heads for this backbone "
+            "(python -m train +experiment=...) or load the backbone they were trained on."
+        )
+    if trained_for.get("weights_fingerprint") != backbone_identity.get("weights_fingerprint"):
+        warnings.warn(
+            f"the heads at {where} were trained on other weights of {trained_for.get('name')!r} "
+            "(fingerprint differs): exact decoding stays lossless, but acceptance may be lower",
+            stacklevel=3,
+        )
+
+
+def load_heads(directory: str | Path, backbone=None, device: str | torch.device = "cpu") -> nn.Module:
+    """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it."""
+    directory = Path(directory)
+    config = read_heads_config(directory)
+    if config.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory} has head format {config.get('format_version')}, this code reads {FORMAT_VERSION}")
+    if config["kind"] not in HEAD_KINDS:
+        raise ValueError(f"{directory} holds heads of unknown kind {config['kind']!r}; known: {sorted(HEAD_KINDS)}")
+    if backbone is not None:
+        check_compatible(config, backbone.identity(), str(directory))
+    module_class, config_class = HEAD_KINDS[config["kind"]]
+    heads = module_class(config_class(**config["head"]))
+    state = {}
+    with safe_open(str(directory / HEADS_FILE), framework="pt", device="cpu") as handle:
+        for name in handle.keys():
+            state[name] = handle.get_tensor(name)
+    heads.load_state_dict(state, strict=True)
+    return heads.to(device).eval().requires_grad_(False)

@@ -1,0 +1,83 @@
+"""SSD latent heads: predict the backbone's hidden state at a spatial offset.
+
+Spatially Speculative Decoding (Xiang et al., 2026) drafts image tokens with
+light heads on the backbone's last-layer hidden state (before the final norm).
+A head takes the hidden state ``H[i]`` that predicts grid token ``i`` and the
+embedding of the token ``x_i`` drawn from it (the EAGLE convention), and predicts
+the hidden state at an offset:
+
+- horizontal: ``H[i + 1]``, the state that predicts the right neighbour;
+- vertical: ``H[i + cols]``, the state that predicts the token directly below
+  (for families with an end-of-line token the flat stride is ``cols + 1``; the
+  backbone interface hides that, see backbones/base.py).
+
+Draft logits are the backbone's own frozen final norm and image head applied to
+the prediction, so a head predicts a continuous latent, not token ids (token-id
+heads accept < 5% in the paper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SSDHeadConfig:
+    """Shape of one SSD head pair; stored in the export's heads.json."""
+
+    hidden_size: int  # the backbone's hidden size (input and output of each head)
+    width: int = 512  # MLP width; ~0.2M parameters per head at the digits backbone's 192
+    depth: int = 2  # hidden layers in the MLP
+    input_noise: float = 0.1  # std of Gaussian noise on input hidden states in training (robust to drafted inputs)
+    horizontal_unroll: int = 3  # training unrolls the horizontal head this many steps on its own predictions
+
+    def __post_init__(self):
+        for key in ("hidden_size", "width", "depth", "horizontal_unroll"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"head.{key} must be >= 1, got {getattr(self, key)}")
+        if self.input_noise < 0:
+            raise ValueError(f"head.input_noise must be >= 0, got {self.input_noise}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SSDLatentPredictor(nn.Module):
+    """One offset's head: (hidden (..., H), token embedding (..., H)) -> predicted hidden (..., H).
+
+    The prediction is residual on the input hidden state (neighbouring states are
+    alike), and the input is RMS-normalised because pre-norm states grow large.
+    """
+
+    def __init__(self, config: SSDHeadConfig):
+        super().__init__()
+        size = config.hidden_size
+        self.hidden_norm = nn.RMSNorm(size)
+        self.embed_norm = nn.RMSNorm(size)
+        layers: list[nn.Module] = [nn.Linear(2 * size, config.width), nn.SiLU()]
+        for _ in range(config.depth - 1):
+            layers += [nn.Linear(config.width, config.width), nn.SiLU()]
+        layers.append(nn.Linear(config.width, size))
+        self.mlp = nn.Sequential(*layers)
+        # Start as "copy the input state": a sensible draft before any training.
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        fused = torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embedding)], dim=-1)  # (..., 2H)
+        return hidden + self.mlp(fused)
+
+
+class SSDHeads(nn.Module):
+    """The horizontal (+1) and vertical (+row) latent predictors, trained and exported together."""
+
+    kind = "ssd"
+
+    def __init__(self, config: SSDHeadConfig):
+        super().__init__()
+        self.config = config
+        self.horizontal = SSDLatentPredictor(config)
+        self.vertical = SSDLatentPredictor(config)

@@ -1,0 +1,140 @@
+"""Self-distillation of SSD latent heads against a frozen backbone.
+
+Teacher: the frozen backbone's pre-norm hidden states on its own generations
+(computed online under no_grad, or read from an offline corpus). Students: the
+horizontal and vertical heads of heads/ssd.py. Loss per predicted state:
+
+    SmoothL1(predicted, target) * hidden_loss_weight
+    + KL(p_target || q_predicted) * kl_weight
+
+where both distributions are the backbone's frozen final norm + head applied to
+the states and mixed with CFG exactly as decoding mixes them (EAGLE/LANTERN
+weights: 1.0 and 0.1). The horizontal head is unrolled over its own predictions
+(`head.horizontal_unroll` steps, as EAGLE-3's training-time test does) so that it
+can draft a run along a row. Inputs get Gaussian feature noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+
+from backbones.base import ARImageBackbone, Condition
+from heads.export import export_heads
+from heads.ssd import SSDHeadConfig, SSDHeads
+from train.schedules import warmup_cosine
+
+
+class SSDDistillation(pl.LightningModule):
+    """Trains SSD heads; the backbone is frozen, only head parameters reach the optimizer."""
+
+    def __init__(self, backbone: ARImageBackbone, head: dict, optimizer: Callable[..., torch.optim.Optimizer],
+                 cfg_scale: float = 3.0, hidden_loss_weight: float = 1.0, kl_weight: float = 0.1,
+                 warmup_steps: int = 50):
+        super().__init__()
+        if cfg_scale < 0 or hidden_loss_weight < 0 or kl_weight < 0:
+            raise ValueError("module.cfg_scale, hidden_loss_weight and kl_weight must be >= 0")
+        self.save_hyperparameters(ignore=["backbone", "optimizer"])
+        self.backbone = backbone.eval().requires_grad_(False)
+        self.heads = SSDHeads(SSDHeadConfig(hidden_size=backbone.hidden_size, **head))
+        self.optimizer_factory = optimizer
+        self.cfg_scale, self.guided = cfg_scale, cfg_scale != 1.0
+        self.hidden_loss_weight, self.kl_weight, self.warmup_steps = hidden_loss_weight, kl_weight, warmup_steps
+        self.strict_loading = False  # checkpoints carry the heads only (see on_save_checkpoint)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.eval()  # frozen: no dropout, whatever Lightning toggles
+        return self
+
+    # ---- teacher ----------------------------------------------------------------------------
+
+    def teacher_hidden(self, batch: dict) -> torch.Tensor:
+        """Target states (twins * B, rows, cols, H), [cond; uncond] rows first, as `guide` expects."""
+        tokens = batch["tokens"]
+        rows, cols = self.backbone.geometry.rows, self.backbone.geometry.cols
+        if "hidden" in batch:  # offline: recorded at generation, (B, twins, N, H) in fp16
+            hidden = batch["hidden"].float().transpose(0, 1).flatten(0, 1)
+            if (hidden.shape[0] == 2 * tokens.shape[0]) != self.guided:
+                raise ValueError("the offline corpus was generated with a different CFG setting than module.cfg_scale")
+        else:
+            with torch.no_grad():
+                hidden = self.backbone.teacher_forced_hidden(Condition(class_ids=batch["class_id"]), tokens, self.guided)
+        return hidden.reshape(hidden.shape[0], rows, cols, -1)
+
+    def distribution_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """States (twins * B, ..., H) -> log-probabilities (B, ..., V) as decoding mixes them."""
+        logits = self.backbone.logits(hidden)
+        return (self.backbone.guide(logits, self.cfg_scale) if self.guided else logits.float()).log_softmax(-1)
+
+    # ---- student ----------------------------------------------------------------------------
+
+    def predictions(self, hidden: torch.Tensor, tokens: torch.Tensor, noise: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """[(name, predicted states, target states)] for the vertical head and each horizontal unroll step."""
+        rows, cols = hidden.shape[1], hidden.shape[2]
+        embedded = self.backbone.embed_image_tokens(tokens.view(-1, rows, cols))  # (B, R, C, H)
+        if self.guided:
+            embedded = torch.cat([embedded, embedded])  # the twins see the same tokens
+        inputs = hidden
+        if noise and self.heads.config.input_noise > 0:
+            scale = hidden.pow(2).mean(-1, keepdim=True).sqrt()  # pre-norm states vary in size; noise follows
+            inputs = hidden + torch.randn_like(hidden) * scale * self.heads.config.input_noise
+        out = [("vertical", self.heads.vertical(inputs[:, :-1], embedded[:, :-1]), hidden[:, 1:])]
+        predicted = inputs
+        for step in range(1, min(self.heads.config.horizontal_unroll, cols - 1) + 1):
+            # step k predicts column j + k from (its own step k - 1 prediction at j + k - 1, token j + k - 1)
+            predicted = self.heads.horizontal(predicted[:, :, :-1], embedded[:, :, step - 1 : -1])
+            out.append((f"horizontal_{step}", predicted, hidden[:, :, step:]))
+        return out
+
+    def losses(self, batch: dict, noise: bool) -> tuple[torch.Tensor, dict]:
+        hidden = self.teacher_hidden(batch)
+        total, logs = 0.0, {}
+        for name, predicted, target in self.predictions(hidden, batch["tokens"], noise):
+            hidden_loss = F.smooth_l1_loss(predicted, target)
+            p_log, q_log = self.distribution_logits(target), self.distribution_logits(predicted)
+            kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
+            total = total + self.hidden_loss_weight * hidden_loss + self.kl_weight * kl
+            logs[f"hidden_loss_{name}"], logs[f"kl_{name}"] = hidden_loss.detach(), kl.detach()
+            if name in ("vertical", "horizontal_1"):
+                p, q = p_log.exp(), q_log.exp()
+                offset = name.split("_")[0]
+                logs[f"acceptance_{offset}"] = torch.minimum(p, q).sum(-1).mean().detach()  # expected sum_x min(p, q)
+                logs[f"top1_{offset}"] = (p.argmax(-1) == q.argmax(-1)).float().mean().detach()
+        logs["acceptance"] = (logs["acceptance_vertical"] + logs["acceptance_horizontal"]) / 2
+        return total, logs
+
+    def training_step(self, batch, batch_idx):
+        loss, logs = self.losses(batch, noise=True)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
+                                     "lower optim.lr or check the corpus")
+        self.log("train/loss", loss, prog_bar=True)
+        self.log_dict({f"train/{k}": v for k, v in logs.items() if k.startswith("acceptance")})
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, logs = self.losses(batch, noise=False)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/acceptance", logs.pop("acceptance"), prog_bar=True)
+        self.log_dict({f"val/{k}": v for k, v in logs.items()})
+
+    # ---- optimisation and export ------------------------------------------------------------
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self.heads.parameters())
+        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The frozen backbone is loaded from its own weights; checkpoints hold what training changes.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
+
+    def export(self, directory: str | Path) -> Path:
+        """heads.safetensors + heads.json, checked against this backbone when loaded."""
+        return export_heads(self.heads, directory, self.backbone.identity(),
+                            extra={"training": {"cfg_scale": self.cfg_scale, "step": int(self.global_step)}})
