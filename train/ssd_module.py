@@ -113,15 +113,17 @@ class SSDDistillation(pl.LightningModule):
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
                                      "lower optim.lr or check the corpus")
-        self.log("train/loss", loss, prog_bar=True)
-        self.log_dict({f"train/{k}": v for k, v in logs.items() if k.startswith("acceptance")})
+        size = batch["tokens"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log_dict({f"train/{k}": v for k, v in logs.items() if k.startswith("acceptance")}, batch_size=size)
         return loss
 
     def validation_step(self, batch, batch_idx):
         loss, logs = self.losses(batch, noise=False)
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/acceptance", logs.pop("acceptance"), prog_bar=True)
-        self.log_dict({f"val/{k}": v for k, v in logs.items()})
+        size = batch["tokens"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, batch_size=size)
+        self.log("val/acceptance", logs.pop("acceptance"), prog_bar=True, batch_size=size)
+        self.log_dict({f"val/{k}": v for k, v in logs.items()}, batch_size=size)
 
     # ---- optimisation and export ------------------------------------------------------------
 

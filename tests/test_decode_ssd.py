@@ -1,0 +1,148 @@
+"""SSD decoding: lossless exact mode, accept/reject accounting, autocorrect, distribution."""
+
+import itertools
+
+import pytest
+import torch
+
+from backbones.base import Condition
+from backbones.digits import random_digits_backbone
+from decode.ar import generate_ar
+from decode.sampling import SamplingConfig, token_distribution
+from decode.ssd import SSDDecodeConfig, generate_ssd, residual_distribution
+from heads.ssd import SSDHeadConfig, SSDHeads
+from mock_backbone import MockBackbone, MockHeads
+
+GREEDY = SamplingConfig(greedy=True)
+
+
+def random_heads(hidden_size: int, seed: int = 0) -> SSDHeads:
+    """Untrained heads with random (not zero) output layers: losslessness must not depend on head quality."""
+    torch.manual_seed(seed)
+    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=1))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    return heads.eval()
+
+
+# ---- mock backbone: every pass count is known ------------------------------------------------
+
+def test_accept_all_costs_one_pass_per_row():
+    backbone = MockBackbone(rows=4, cols=5)
+    result = generate_ssd(backbone, MockHeads(7, 1, 1), Condition(class_ids=torch.zeros(2, dtype=torch.long)), GREEDY)
+    assert torch.equal(result.tokens[0], backbone.target_tokens()) and torch.equal(result.tokens[1], result.tokens[0])
+    assert result.forward_passes == 1 + 4  # prefill + one verification per row
+    assert result.accepted_tokens == result.drafted_tokens == 2 * 4 * 4  # 4 drafted per row (first token is given)
+
+
+def test_reject_all_falls_back_to_one_token_per_pass():
+    backbone = MockBackbone(rows=4, cols=5)
+    result = generate_ssd(backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(1, dtype=torch.long)), GREEDY)
+    assert torch.equal(result.tokens[0], backbone.target_tokens())
+    assert result.accepted_tokens == 0
+    # Each pass fixes one position; a row whose last token was corrected needs one more pass for the next
+    # row's first state, except the last row: as many passes as plain AR, never more.
+    assert result.forward_passes == 4 * 5
+
+
+def test_partial_accept_horizontal_right_vertical_wrong():
+    backbone = MockBackbone(rows=4, cols=5)
+    config = SSDDecodeConfig(mode="exact", horizontal_steps=1)
+    result = generate_ssd(backbone, MockHeads(7, 1, 2), Condition(class_ids=torch.zeros(1, dtype=torch.long)), GREEDY,
+                          config=config)
+    assert torch.equal(result.tokens[0], backbone.target_tokens())
+    # Row 0 is drafted horizontally (right): 1 pass, 4 accepted.
+    # Rows 1-3: position 1 horizontal (right), 2-4 vertical (wrong). Pass 1 accepts 1, corrects 2 and re-drafts 3
+    # horizontally; pass 2 accepts 3, corrects 4; pass 3 gives the next row's first state (not after the last row).
+    assert result.forward_passes == 1 + 1 + 3 + 3 + 2
+    assert result.accepted_tokens == 4 + 3 * 2
+    assert result.drafted_tokens == 4 + 3 * (4 + 2)
+
+
+def test_autocorrect_resamples_every_rejection_in_the_same_pass():
+    backbone = MockBackbone(rows=4, cols=5)
+    config = SSDDecodeConfig(mode="autocorrect", rounds=0)
+    result = generate_ssd(backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(3, dtype=torch.long)), GREEDY,
+                          config=config)
+    # Context-free targets make the residual (= p) right everywhere: one pass per row, all tokens right.
+    assert all(torch.equal(t, backbone.target_tokens()) for t in result.tokens)
+    assert result.forward_passes == 1 + 4
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.6, 0.2])
+    torch.testing.assert_close(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    torch.testing.assert_close(residual_distribution(p, p), p)  # nothing left: fall back to p
+
+
+# ---- the real (tiny) digits backbone ---------------------------------------------------------
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("horizontal_steps", [0, 1, 3])
+def test_greedy_exact_ssd_equals_greedy_ar_with_random_heads(tiny_backbone, cfg_scale, horizontal_steps):
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
+    baseline = generate_ar(tiny_backbone, condition, sampling)
+    heads = random_heads(tiny_backbone.hidden_size, seed=horizontal_steps)
+    speculative = generate_ssd(tiny_backbone, heads, condition, sampling,
+                               config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps))
+    assert torch.equal(speculative.tokens, baseline.tokens)
+    assert speculative.forward_passes <= baseline.forward_passes
+
+
+def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone):
+    sampling = SamplingConfig(greedy=True, cfg_scale=2.0)
+    condition = Condition(class_ids=torch.tensor([1, 5]))
+    baseline = generate_ar(tiny_backbone, condition, sampling)
+    result = generate_ssd(tiny_backbone, random_heads(tiny_backbone.hidden_size), condition, sampling,
+                          config=SSDDecodeConfig(mode="autocorrect", rounds=8))
+    assert torch.equal(result.tokens, baseline.tokens)
+
+
+def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone):
+    condition = Condition(class_ids=torch.tensor([2, 4, 6]))
+    for rounds in (0, 1, 2):
+        result = generate_ssd(tiny_backbone, random_heads(tiny_backbone.hidden_size), condition, SamplingConfig(cfg_scale=2.0),
+                              torch.Generator().manual_seed(0), SSDDecodeConfig(mode="autocorrect", rounds=rounds))
+        assert result.forward_passes <= 1 + 8 * (rounds + 1)
+
+
+def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) -> dict:
+    """P(image) of the AR model for every possible image of a tiny grid (by enumeration)."""
+    n, v = backbone.geometry.num_tokens, backbone.codebook_size
+    images = torch.tensor(list(itertools.product(range(v), repeat=n)))  # (v^n, n)
+    class_ids = torch.full((len(images),), class_id)
+    logits = backbone(images, class_ids)
+    if sampling.guided:
+        uncond = backbone(images, torch.full_like(class_ids, backbone.config.null_class))
+        logits = uncond + sampling.cfg_scale * (logits - uncond)
+    probs = token_distribution(logits, sampling).gather(-1, images[..., None])[..., 0].prod(-1)
+    return {tuple(image.tolist()): float(p) for image, p in zip(images, probs)}
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
+                         ids=["cfg", "temperature-topk"])
+def test_sampled_exact_ssd_has_the_backbone_distribution(sampling):
+    """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
+    from scipy.stats import chisquare
+
+    backbone = random_digits_backbone(seed=3, grid_size=2, levels=3, hidden_size=16, num_layers=1, num_heads=1,
+                                      intermediate_size=32)
+    with torch.no_grad():
+        for parameter in backbone.parameters():  # sharpen the random model so the distribution is far from uniform
+            parameter.mul_(3.0)
+    truth = exact_image_distribution(backbone, class_id=4, sampling=sampling)
+    draws = 40_000
+    result = generate_ssd(backbone, random_heads(16, seed=1), Condition(class_ids=torch.full((draws,), 4)), sampling,
+                          torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact"))
+    assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
+    observed = {}
+    for image in result.tokens.flatten(1).tolist():
+        observed[tuple(image)] = observed.get(tuple(image), 0) + 1
+    support = [image for image, p in truth.items() if p * draws >= 5]  # chi-square needs expected counts >= 5
+    assert sum(observed.get(image, 0) for image in truth if image not in support) <= 0.01 * draws
+    expected = torch.tensor([truth[image] for image in support], dtype=torch.float64) * draws
+    counts = torch.tensor([observed.get(image, 0) for image in support], dtype=torch.float64)
+    expected = expected * counts.sum() / expected.sum()
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3

@@ -1,0 +1,79 @@
+"""Exported heads round-trip bit-exactly and refuse the wrong backbone."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from backbones.digits import random_digits_backbone
+from conftest import TINY_BACKBONE
+from heads.export import CONFIG_FILE, HEADS_FILE, HeadsMismatchError, export_heads, load_heads
+from heads.ssd import SSDHeadConfig, SSDHeads
+
+
+def trained_looking_heads(hidden_size=32):
+    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=2))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter)
+    return heads
+
+
+def test_round_trip_is_bit_exact(tiny_backbone, tmp_path):
+    heads = trained_looking_heads()
+    export_heads(heads, tmp_path, tiny_backbone.identity())
+    loaded = load_heads(tmp_path, tiny_backbone)
+    assert loaded.config == heads.config
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    readable = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert readable["kind"] == "ssd" and readable["backbone"]["geometry"] == {"rows": 8, "cols": 8, "end_of_line": False}
+
+
+@pytest.mark.parametrize("change,named", [(dict(hidden_size=48, num_heads=2), "hidden_size"),
+                                          (dict(grid_size=12), "geometry"),
+                                          (dict(levels=16), "codebook_size")])
+def test_heads_for_another_backbone_are_refused(tiny_backbone, tmp_path, change, named):
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    other = random_digits_backbone(**{**TINY_BACKBONE, **change})
+    with pytest.raises(HeadsMismatchError, match=named):
+        load_heads(tmp_path, other)
+
+
+def test_other_weights_of_the_same_backbone_warn(tiny_backbone, tmp_path):
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    retrained = random_digits_backbone(seed=99, **TINY_BACKBONE)
+    with pytest.warns(UserWarning, match="fingerprint"):
+        load_heads(tmp_path, retrained)
+
+
+def test_truncated_export_is_a_clear_error(tiny_backbone, tmp_path):
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    data = (tmp_path / HEADS_FILE).read_bytes()
+    (tmp_path / HEADS_FILE).write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match="truncated"):
+        load_heads(tmp_path, tiny_backbone)
+
+
+def test_missing_export_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m train"):
+        load_heads(tmp_path / "none")
+
+
+def test_an_interrupted_export_leaves_the_previous_one_loadable(tiny_backbone, tmp_path, monkeypatch):
+    first = trained_looking_heads()
+    export_heads(first, tmp_path, tiny_backbone.identity())
+
+    import data.atomic_io as atomic_io
+
+    def crash_mid_write(tensors, path, metadata=None):
+        with open(path, "wb") as handle:
+            handle.write(b"partial")
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(atomic_io, "save_file", crash_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    loaded = load_heads(tmp_path, tiny_backbone)
+    assert torch.equal(loaded.vertical.mlp[0].weight, first.vertical.mlp[0].weight)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

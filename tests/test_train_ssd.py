@@ -1,0 +1,71 @@
+"""SSD self-distillation: the corpus, offline == online targets, the experiment end to end."""
+
+import json
+
+import torch
+
+from conftest import compose_config
+from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
+from decode.cli import run_decode
+from heads.export import load_heads
+from train.pipeline import run_training
+from train.ssd_module import SSDDistillation
+
+TINY_SSD = ["+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=ssd_tiny", "trainer=debug",
+            "trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+
+
+def test_corpus_is_built_once_resumes_and_records_hidden_states(tiny_backbone, tmp_path):
+    spec = CorpusSpec(num_images=12, shard_size=5, batch_size=4, store_hidden=True)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    assert json.loads((tmp_path / "corpus.json").read_text())["complete"]
+    first = [sample["tokens"] for sample in corpus_dataset(tmp_path, [shard_name(1)])]
+    # An interrupted build: one shard lost, manifest not complete. Rebuilding regenerates exactly that shard.
+    (tmp_path / shard_name(1)).unlink()
+    manifest = json.loads((tmp_path / "corpus.json").read_text())
+    (tmp_path / "corpus.json").write_text(json.dumps({**manifest, "complete": False}))
+    build_corpus(tiny_backbone, tmp_path, spec)
+    again = [sample["tokens"] for sample in corpus_dataset(tmp_path, [shard_name(1)])]
+    assert len(again) == 5 and all(torch.equal(a, b) for a, b in zip(first, again))  # same seed, same images
+    samples = list(corpus_dataset(tmp_path, [shard_name(i) for i in range(3)]))
+    assert len(samples) == 12
+    assert samples[0]["tokens"].shape == (64,) and samples[0]["hidden"].shape == (2, 64, 32)
+
+
+def test_offline_and_online_targets_give_the_same_loss(tiny_backbone, tmp_path):
+    spec = CorpusSpec(num_images=4, shard_size=4, batch_size=4, store_hidden=True, cfg_scale=3.0)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    batch = torch.utils.data.default_collate(list(corpus_dataset(tmp_path, [shard_name(0)])))
+    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1), optimizer=torch.optim.AdamW, cfg_scale=3.0)
+    offline, _ = module.losses(batch, noise=False)
+    online, _ = module.losses({k: v for k, v in batch.items() if k != "hidden"}, noise=False)
+    torch.testing.assert_close(offline, online, rtol=1e-3, atol=1e-4)  # offline states are stored in fp16
+
+
+def test_only_head_parameters_are_optimised(tiny_backbone):
+    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1), optimizer=torch.optim.AdamW)
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith("heads.") for name in trainable)
+
+
+def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
+    export = tmp_path / "export"
+    cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"paths.root_dir={tmp_path}",
+                                     f"paths.checkpoints_dir={classifier_cache}"], tmp_path / "run")
+    metrics = run_training(cfg)
+    assert 0 < metrics["val/acceptance"] <= 1
+    heads = load_heads(export)
+    assert heads.config.width == 16
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert not any(k.startswith("backbone.") for k in checkpoint["state_dict"])  # heads only
+    out = tmp_path / "decode"
+    cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"decode.out={out}", "decode.num_images=4",
+                                     "decode.batch_size=2", "decode.greedy=true", "decode.save_tokens=true",
+                                     "decode.methods=[ar,ssd_exact,ssd_autocorrect]",
+                                     f"paths.checkpoints_dir={classifier_cache}"], tmp_path / "run2")
+    report = run_decode(cfg)
+    import numpy as np
+
+    assert np.array_equal(np.load(out / "tokens_ssd_exact.npy"), np.load(out / "tokens_ar.npy"))  # greedy: lossless
+    exact = report["methods"]["ssd_exact"]
+    assert exact["forward_passes_per_image"] <= 64 and "mean_accepted_per_pass" in exact
