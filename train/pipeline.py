@@ -8,7 +8,7 @@ from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ def _instantiate_logged(name: str, node: DictConfig, **kwargs):
     return hydra.utils.instantiate(node, **kwargs)
 
 
-def _needs_backbone(node: DictConfig) -> bool:
+def needs_backbone(node: DictConfig) -> bool:
     """Whether a `_target_` takes the frozen backbone (built once, shared by data and module)."""
     target = hydra.utils.get_object(node._target_)
     return "backbone" in inspect.signature(target).parameters
@@ -48,10 +48,10 @@ def run_training(cfg: DictConfig) -> dict:
     OmegaConf.save(cfg, Path(cfg.paths.output_dir) / "config.yaml", resolve=True)
 
     shared = {}
-    if _needs_backbone(cfg.data) or _needs_backbone(cfg.module):
+    if needs_backbone(cfg.data) or needs_backbone(cfg.module):
         shared["backbone"] = _instantiate_logged("backbone", cfg.backbone)
-    datamodule = _instantiate_logged("data", cfg.data, **(shared if _needs_backbone(cfg.data) else {}))
-    module = _instantiate_logged("module", cfg.module, **(shared if _needs_backbone(cfg.module) else {}))
+    datamodule = _instantiate_logged("data", cfg.data, **(shared if needs_backbone(cfg.data) else {}))
+    module = _instantiate_logged("module", cfg.module, **(shared if needs_backbone(cfg.module) else {}))
     callbacks = [_instantiate_logged(f"callback {k}", v) for k, v in (cfg.get("callbacks") or {}).items() if v]
     logger = _instantiate_logged("logger", cfg.logger) if cfg.get("logger") else False
     trainer: pl.Trainer = _instantiate_logged("trainer", cfg.trainer, callbacks=callbacks, logger=logger)
@@ -65,4 +65,22 @@ def run_training(cfg: DictConfig) -> dict:
         print(f"[train] exported {cfg.experiment_name} to {export_dir}")
         for key, value in sorted(metrics.items()):
             print(f"[train] {key} = {value:.4f}")
+        if cfg.train.get("evaluate"):
+            evaluate_export(cfg, export_dir)
     return metrics
+
+
+def evaluate_export(cfg: DictConfig, export_dir: Path) -> dict:
+    """A short decode comparison of the fresh export against the KV-cached baseline (train.evaluate)."""
+    from decode.cli import run_decode
+
+    settings = cfg.train.evaluate
+    eval_cfg = cfg.copy()
+    with open_dict(eval_cfg):
+        eval_cfg.decode.methods = list(settings.methods)
+        eval_cfg.decode.num_images = settings.num_images
+        eval_cfg.decode.batch_size = settings.batch_size
+        eval_cfg.decode.heads = str(export_dir)
+        eval_cfg.decode.out = str(Path(cfg.paths.output_dir) / "evaluation")
+    print(f"[train] evaluating {export_dir}: {settings.num_images} images at batch {settings.batch_size}")
+    return run_decode(eval_cfg)
