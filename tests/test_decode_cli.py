@@ -31,3 +31,17 @@ def test_unknown_method_is_refused(tmp_path, classifier_cache):
                           f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
     with pytest.raises(ValueError, match="medusa9"):
         run_decode(cfg)
+
+
+def test_committed_classifier_is_a_competent_judge():
+    import torch
+
+    from conftest import PROJECT_ROOT
+    from decode.digits_classifier import load_or_train_classifier, reference_digits
+
+    classifier = load_or_train_classifier(PROJECT_ROOT / "checkpoints" / "digits-classifier", 24, 16,
+                                          log=lambda message: pytest.fail(f"the committed classifier was retrained: {message}"))
+    images, labels = reference_digits(24, 16)
+    with torch.no_grad():
+        accuracy = (classifier(images)[0].argmax(-1) == labels).float().mean()
+    assert accuracy >= 0.95
