@@ -33,11 +33,19 @@ class SSDHeadConfig:
     depth: int = 2  # hidden layers in the MLP
     input_noise: float = 0.1  # std of Gaussian noise on input hidden states in training (robust to drafted inputs)
     horizontal_unroll: int = 3  # training unrolls the horizontal head this many steps on its own predictions
+    # Self-attention layers over the whole row above in the vertical head (0: a per-position MLP).
+    # The row above is known entirely when a row is drafted, so its context (diagonal strokes) is free.
+    row_attention_layers: int = 0
+    row_attention_heads: int = 4
 
     def __post_init__(self):
-        for key in ("hidden_size", "width", "depth", "horizontal_unroll"):
+        for key in ("hidden_size", "width", "depth", "horizontal_unroll", "row_attention_heads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"head.{key} must be >= 1, got {getattr(self, key)}")
+        if self.row_attention_layers < 0:
+            raise ValueError(f"head.row_attention_layers must be >= 0, got {self.row_attention_layers}")
+        if self.row_attention_layers and self.width % self.row_attention_heads:
+            raise ValueError(f"head.width {self.width} must be divisible by head.row_attention_heads {self.row_attention_heads}")
         if self.input_noise < 0:
             raise ValueError(f"head.input_noise must be >= 0, got {self.input_noise}")
 
@@ -71,6 +79,34 @@ class SSDLatentPredictor(nn.Module):
         return hidden + self.mlp(fused)
 
 
+class SSDRowAttentionPredictor(nn.Module):
+    """Vertical head that sees the whole row above: (rows..., cols, H) x 2 -> predicted states below.
+
+    Fused per-position features pass through bidirectional self-attention across
+    the row (the row above is fully known when the row below is drafted), then an
+    output projection residual on the input state.
+    """
+
+    def __init__(self, config: SSDHeadConfig):
+        super().__init__()
+        size, width = config.hidden_size, config.width
+        self.hidden_norm = nn.RMSNorm(size)
+        self.embed_norm = nn.RMSNorm(size)
+        self.fuse = nn.Linear(2 * size, width)
+        layer = nn.TransformerEncoderLayer(width, config.row_attention_heads, dim_feedforward=2 * width, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.row_context = nn.TransformerEncoder(layer, config.row_attention_layers, enable_nested_tensor=False)
+        self.out = nn.Linear(width, size)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        fused = self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embedding)], dim=-1))  # (..., C, W)
+        leading = fused.shape[:-2]
+        context = self.row_context(fused.reshape(-1, *fused.shape[-2:])).reshape(*leading, *fused.shape[-2:])
+        return hidden + self.out(context)
+
+
 class SSDHeads(nn.Module):
     """The horizontal (+1) and vertical (+row) latent predictors, trained and exported together."""
 
@@ -80,4 +116,4 @@ class SSDHeads(nn.Module):
         super().__init__()
         self.config = config
         self.horizontal = SSDLatentPredictor(config)
-        self.vertical = SSDLatentPredictor(config)
+        self.vertical = SSDRowAttentionPredictor(config) if config.row_attention_layers else SSDLatentPredictor(config)

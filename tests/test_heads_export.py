@@ -77,3 +77,20 @@ def test_an_interrupted_export_leaves_the_previous_one_loadable(tiny_backbone, t
     loaded = load_heads(tmp_path, tiny_backbone)
     assert torch.equal(loaded.vertical.mlp[0].weight, first.vertical.mlp[0].weight)
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_row_attention_heads_round_trip_and_stay_lossless(tiny_backbone, tmp_path):
+    from backbones.base import Condition
+    from decode import SamplingConfig, generate_ar, generate_ssd
+
+    heads = SSDHeads(SSDHeadConfig(hidden_size=32, width=16, depth=1, row_attention_layers=1, row_attention_heads=2))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    export_heads(heads, tmp_path, tiny_backbone.identity())
+    loaded = load_heads(tmp_path, tiny_backbone)
+    rows = torch.randn(3, 8, 32), torch.randn(3, 8, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded.vertical(*rows), heads.eval().vertical(*rows))
+    condition, sampling = Condition(class_ids=torch.tensor([2, 8])), SamplingConfig(greedy=True, cfg_scale=2.0)
+    assert torch.equal(generate_ssd(tiny_backbone, loaded, condition, sampling).tokens,
+                       generate_ar(tiny_backbone, condition, sampling).tokens)
