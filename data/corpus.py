@@ -154,8 +154,10 @@ def _decode_sample(sample: dict) -> dict:
 
 
 def _raise_with_shard(error: Exception) -> bool:
-    raise CorruptShardError(f"a corpus shard is unreadable or truncated ({error}); delete it and rebuild the corpus "
-                            "(the build regenerates missing shards only)") from error
+    """webdataset's error handler: name the shard (webdataset appends its url to the error's args)."""
+    shard = next((a for a in reversed(error.args) if isinstance(a, str) and a.endswith(".tar")), "a corpus shard")
+    raise CorruptShardError(f"{shard} is unreadable or truncated ({error.args[0] if error.args else error}); "
+                            "delete it and rebuild the corpus (the build regenerates missing shards only)") from error
 
 
 def corpus_dataset(directory: str | Path, shards: list[str], shuffle: int = 0, repeat: bool = False, seed: int = 0):

@@ -69,3 +69,30 @@ def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     assert np.array_equal(np.load(out / "tokens_ssd_exact.npy"), np.load(out / "tokens_ar.npy"))  # greedy: lossless
     exact = report["methods"]["ssd_exact"]
     assert exact["forward_passes_per_image"] <= 64 and "mean_accepted_per_pass" in exact
+
+
+def test_damaged_shards_are_named(tiny_backbone, tmp_path):
+    import pytest
+
+    from data.corpus import CorruptShardError
+
+    build_corpus(tiny_backbone, tmp_path, CorpusSpec(num_images=8, shard_size=4, batch_size=4))
+    shard = tmp_path / shard_name(1)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2 + 100])  # truncated mid-sample
+    with pytest.raises(CorruptShardError, match=r"sample 0000000\d of .*shard-00001.tar"):
+        list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
+    shard.write_bytes(data[:1000] + b"\x00garbage" * 100 + data[1800:])  # a damaged tar header
+    with pytest.raises(CorruptShardError, match=r"shard-00001.tar is unreadable"):
+        list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
+
+
+def test_nan_loss_stops_with_the_step_and_batch(tiny_backbone):
+    import pytest
+
+    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1), optimizer=torch.optim.AdamW, cfg_scale=3.0)
+    hidden = torch.randn(2, 2, 64, 32).half()
+    hidden[0, 0, 5] = float("nan")
+    batch = {"tokens": torch.randint(0, 8, (2, 64)), "class_id": torch.tensor([1, 2]), "hidden": hidden}
+    with pytest.raises(FloatingPointError, match=r"step 0 \(batch 7\)"):
+        module.training_step(batch, 7)
