@@ -156,18 +156,25 @@ def generate_ssd(
         drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
                            row_tokens[:, 0], steps)
         committed = first_exact.long()  # (B,) positions of this row already final
+        row_hidden = h_first.new_zeros(h_first.shape[0], cols, h_first.shape[-1])  # (G, C, H) predicts each position
+        row_hidden[:, 0] = h_first[:, 0]
+        row_cached = 0  # positions of this row whose cached keys/values are final for every image
         verify_passes = 0
 
         # 3. Verify until the row is complete (exact) or the rounds are spent (autocorrect).
         while True:
-            backbone.rollback(state, cache_valid)
-            feed = torch.cat([tokens[:, cache_valid:row_start], row_tokens], dim=1)  # (B, L)
-            out = backbone.step(state, feed)  # (G, L, H)
+            # Feed from the first position whose cache entry is not final: re-feeding a finished prefix
+            # would cost compute and change nothing.
+            start = cache_valid if cache_valid < row_start else row_start + row_cached
+            backbone.rollback(state, start)
+            feed = torch.cat([tokens[:, start:row_start], row_tokens[:, max(0, start - row_start):]], dim=1)
+            out = backbone.step(state, feed)  # (G, L, H); out[:, j] predicts grid position start + j + 1
             passes, verify_passes = passes + 1, verify_passes + 1
-            offset = row_start - cache_valid  # where the row starts inside `feed`
-            if offset > 0:  # the previous row was re-fed: its last output is the exact first-token state
-                h_first = out[:, offset - 1 : offset]
-            row_hidden = torch.cat([h_first, out[:, offset : offset + cols - 1]], dim=1)  # (G, C, H) predicts each position
+            first_fresh = max(row_start, start + 1)  # the first row position whose state this pass gives
+            fresh = first_fresh - row_start
+            row_hidden[:, fresh:] = out[:, first_fresh - start - 1 : first_fresh - start - 1 + cols - fresh]
+            if fresh == 0:  # the previous row was re-fed: the first-token state is now exact
+                h_first = row_hidden[:, :1]
             cache_valid = row_start
             p = drafter.distribution(row_hidden)  # (B, C, V)
             px = p.gather(-1, row_tokens[..., None])[..., 0]
@@ -178,9 +185,11 @@ def generate_ssd(
             passed |= is_committed
             open_images = committed < cols
             drafted += int((~is_committed & open_images[:, None]).sum())
+            first_rejected = torch.where(passed.all(1), cols, (~passed).float().argmax(1))  # (B,)
+            # Fed tokens left of every image's first rejection are final, and so are their cache entries.
+            row_cached = max(row_cached, int(first_rejected.min()))
 
             if config.mode == "exact":
-                first_rejected = torch.where(passed.all(1), cols, (~passed).float().argmax(1))  # (B,)
                 accepted += int(((first_rejected - committed).clamp(min=0) * open_images).sum())
                 rejected_images = torch.nonzero(first_rejected < cols)[:, 0]
                 if len(rejected_images) == 0:
@@ -201,7 +210,8 @@ def generate_ssd(
                 if resample.any():
                     residual = residual_distribution(p[resample], row_q[resample])
                     row_tokens[resample], row_q[resample] = drafter.sample(residual), residual
-                committed = torch.where(still_open, committed, cols)
+                # Left of its first rejection an image's tokens passed against their final context: final.
+                committed = torch.where(still_open, torch.maximum(committed, first_rejected), cols)
                 if not still_open.any() or verify_passes > config.rounds:
                     break
 
@@ -210,7 +220,7 @@ def generate_ssd(
         fed_is_final = committed >= cols
         if config.mode == "autocorrect" and not bool(fed_is_final.all()):
             first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
-            cache_valid = row_start  # the next pass re-feeds this row for everyone
+            cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
         else:
             first_exact = torch.ones_like(first_exact)
             cache_valid = row_start + cols

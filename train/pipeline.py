@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from pathlib import Path
 
 import hydra
 import pytorch_lightning as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from data.atomic_io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,13 @@ def run_training(cfg: DictConfig) -> dict:
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            # Sweep jobs must not overwrite each other's export: each keeps its own in its job folder.
+            with open_dict(cfg):
+                cfg.export.dir = str(Path(cfg.paths.output_dir) / "export")
+        atomic_write_text(Path(cfg.paths.output_dir) / "metrics.json",
+                          json.dumps({"overrides": overrides, "metrics": metrics}, indent=2) + "\n")
         export_dir = module.export(cfg.export.dir)
         log.info("exported to %s", export_dir)
         print(f"[train] exported {cfg.experiment_name} to {export_dir}")
