@@ -110,7 +110,7 @@ def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusS
     sampling = SamplingConfig(cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
     device = next(backbone.parameters()).device
     todo = [i for i in range(spec.num_shards) if not (directory / shard_name(i)).is_file()]
-    for shard in tqdm(todo, desc="corpus shards", unit="shard"):
+    for shard in tqdm(todo, desc="corpus shards", unit="shard", disable=None):
         class_ids = _class_ids_for_shard(spec, shard)
         generator = torch.Generator(device=device).manual_seed(spec.seed * 100_003 + shard)
         with atomic_path(directory / shard_name(shard)) as tmp, wds.TarWriter(str(tmp)) as sink:

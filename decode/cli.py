@@ -28,6 +28,7 @@ from data.atomic_io import atomic_write_text
 from decode.ar import generate_ar
 from decode.images import save_image_grid, save_tokens
 from decode.quality import DigitsQuality
+from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
@@ -57,7 +58,7 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     if "ar" not in names:
         log.info("adding the KV-cached baseline 'ar': every speedup is measured against it in the same run")
     names = ["ar"] + [name for name in names if name != "ar"]
-    heads = None
+    heads = drafter = None
     methods = {}
     for name in names:
         if name == "ar":
@@ -65,19 +66,33 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
         elif re.fullmatch(r"ar_seed\d+", name):
             methods[name] = Method(generate_ar, seed_offset=int(name.removeprefix("ar_seed")))
         elif re.fullmatch(r"ssd_exact|ssd_autocorrect(_r\d+)?", name):
-            heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device)
+            heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device, kind="ssd")
             rounds = int(name.split("_r")[-1]) if "_r" in name else cfg.decode.ssd.rounds
             ssd = SSDDecodeConfig(mode="exact" if name == "ssd_exact" else "autocorrect", rounds=rounds,
                                   horizontal_steps=cfg.decode.ssd.horizontal_steps)
             methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
+        elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?", name):
+            drafter = drafter or load_heads(cfg.decode.mulo.drafter, backbone, device=next(backbone.parameters()).device,
+                                            kind="mulo")
+            exact, k, delta, radius = match.groups()
+            mulo = MuLoDecodeConfig(mode="exact" if exact else "relaxed",
+                                    k=int(k) if k else cfg.decode.mulo.k,
+                                    delta=float(delta) if delta else cfg.decode.mulo.delta,
+                                    radius=int(radius) if radius else cfg.decode.mulo.radius,
+                                    upsample_mode=cfg.decode.mulo.upsample_mode)
+            methods[name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo))
         else:
             raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
-                             "ssd_autocorrect, ssd_autocorrect_r<K>")
+                             "ssd_autocorrect, ssd_autocorrect_r<K>, mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>")
     return methods
 
 
 def _generate_ssd_with(backbone, condition, sampling, generator, heads, config):
     return generate_ssd(backbone, heads, condition, sampling, generator, config)
+
+
+def _generate_mulo_with(backbone, condition, sampling, generator, drafter, config):
+    return generate_mulo(backbone, drafter, condition, sampling, generator, config)
 
 
 def sampling_from_config(cfg: DictConfig) -> SamplingConfig:
@@ -100,7 +115,7 @@ def run_method(generate: Generator, backbone: ARImageBackbone, class_ids: torch.
     generator.manual_seed(seed)
     tokens, passes, drafted, accepted, seconds = [], 0, 0, 0, 0.0
     batches = range(0, len(class_ids), batch_size)
-    for start in tqdm(batches, desc=f"decode {label}", unit="batch", leave=False):
+    for start in tqdm(batches, desc=f"decode {label}", unit="batch", leave=False, disable=None):
         condition = Condition(class_ids=class_ids[start : start + batch_size].to(device))
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -28,13 +28,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from data.atomic_io import atomic_save_safetensors, atomic_write_text
+from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads.json"
 FORMAT_VERSION = 1
 # kind -> (module class, config class); a new head family registers here.
-HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {"ssd": (SSDHeads, SSDHeadConfig)}
+HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {
+    "ssd": (SSDHeads, SSDHeadConfig),
+    "mulo": (MuLoDrafter, MuLoDrafterConfig),
+}
 
 
 class HeadsMismatchError(ValueError):
@@ -101,12 +105,18 @@ def check_compatible(config: dict, backbone_identity: dict, where: str) -> None:
         )
 
 
-def load_heads(directory: str | Path, backbone=None, device: str | torch.device = "cpu") -> nn.Module:
-    """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it."""
+def load_heads(directory: str | Path, backbone=None, device: str | torch.device = "cpu", kind: str | None = None) -> nn.Module:
+    """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it.
+
+    `kind` ("ssd", "mulo") refuses an export of another kind.
+    """
     directory = Path(directory)
     config = read_heads_config(directory)
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{directory} has head format {config.get('format_version')}, this code reads {FORMAT_VERSION}")
+    if kind is not None and config["kind"] != kind:
+        raise ValueError(f"{directory} holds {config['kind']!r} heads, but {kind!r} heads are needed here; "
+                         "point decode.heads / decode.mulo.drafter at the right export")
     if config["kind"] not in HEAD_KINDS:
         raise ValueError(f"{directory} holds heads of unknown kind {config['kind']!r}; known: {sorted(HEAD_KINDS)}")
     if backbone is not None:
