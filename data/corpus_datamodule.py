@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
 from torch.utils.data import DataLoader
 
 from backbones.base import ARImageBackbone
@@ -27,6 +28,7 @@ class CorpusDataModule(pl.LightningDataModule):
         self.directory = Path(corpus_root) / f"{backbone.name}-{self.spec.digest(backbone.identity())}"
         self.batch_size, self.val_shards = batch_size, val_shards
         self.num_workers, self.shuffle_buffer, self.seed = num_workers, shuffle_buffer, seed
+        self.skip_batches = 0  # set when resuming: the train stream continues where the checkpoint left it
 
     def prepare_data(self) -> None:
         build_corpus(self.backbone, self.directory, self.spec)
@@ -38,8 +40,24 @@ class CorpusDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         dataset = corpus_dataset(self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True,
                                  seed=self.seed)
-        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
+        if self.skip_batches:  # the stream is seeded, so skipping what was consumed restores the position
+            dataset = dataset.slice(self.skip_batches * self.batch_size, None)
+        return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(corpus_dataset(self.directory, self._shards("val")), batch_size=self.batch_size,
-                          num_workers=self.num_workers)
+        return self._loader(corpus_dataset(self.directory, self._shards("val")))
+
+    def _loader(self, dataset) -> DataLoader:
+        # Its own generator: creating an iterator must not draw from the global RNG, or a resumed run would
+        # see other random numbers (feature noise) than an uninterrupted one.
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def state_dict(self) -> dict:
+        """Saved in Lightning checkpoints: how many training batches this rank has consumed."""
+        trainer = getattr(self, "trainer", None)
+        consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        return {"train_batches_consumed": consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip_batches = int(state.get("train_batches_consumed", 0))

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 def _instantiate_logged(name: str, node: DictConfig, **kwargs):
     log.info("instantiating %s <%s>", name, node.get("_target_"))
-    return hydra.utils.instantiate(node, **kwargs)
+    # Plain dicts and lists, not DictConfig: hyperparameters end up in checkpoints, which are loaded with
+    # torch.load(weights_only=True) on resume.
+    return hydra.utils.instantiate(node, _convert_="all", **kwargs)
 
 
 def needs_backbone(node: DictConfig) -> bool:

@@ -135,6 +135,12 @@ class SSDDistillation(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The frozen backbone is loaded from its own weights; checkpoints hold what training changes.
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
+        # The feature noise draws from torch's RNG: a resumed run continues the same random stream.
+        checkpoint["torch_rng_state"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "torch_rng_state" in checkpoint:
+            torch.set_rng_state(checkpoint["torch_rng_state"])
 
     def export(self, directory: str | Path) -> Path:
         """heads.safetensors + heads.json, checked against this backbone when loaded."""
