@@ -26,6 +26,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -85,32 +86,50 @@ def _class_ids_for_shard(spec: CorpusSpec, shard: int) -> torch.Tensor:
     return ids[torch.randperm(count, generator=torch.Generator().manual_seed(spec.seed * 100_003 + shard))]
 
 
-def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusSpec) -> Path:
-    """Generate the corpus into `directory` (or finish an interrupted build); return the directory."""
-    from decode.ar import generate_ar  # the baseline generator is the corpus generator
-    from decode.sampling import SamplingConfig
+def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusSpec, rank: int = 0,
+                 world_size: int = 1, barrier: Callable[[], None] = lambda: None) -> Path:
+    """Generate the corpus into `directory` (or finish an interrupted build); return the directory.
 
+    Data-parallel: under DDP every rank calls it with its rank, the world size and
+    the strategy's barrier, and generates the shards ``i`` with ``i % world_size == rank``.
+    """
     directory = Path(directory)
+    if rank == 0:
+        _open_manifest(directory, spec, backbone.identity())
+    barrier()  # the manifest exists (or the mismatch was raised) before anyone generates
+    manifest = json.loads((directory / MANIFEST).read_text())
+    if not manifest["complete"]:
+        mine = [i for i in range(spec.num_shards) if i % world_size == rank and not (directory / shard_name(i)).is_file()]
+        _generate_shards(backbone, directory, spec, mine)
+        barrier()  # every shard is written
+        if rank == 0:
+            atomic_write_text(directory / MANIFEST, json.dumps({**manifest, "complete": True}, indent=2) + "\n")
+            log.info("corpus of %d images in %s", spec.num_images, directory)
+    return directory
+
+
+def _open_manifest(directory: Path, spec: CorpusSpec, identity: dict) -> None:
+    """Create corpus.json, or check that the existing one describes this backbone and these settings."""
     directory.mkdir(parents=True, exist_ok=True)
-    identity = backbone.identity()
     manifest_path = directory / MANIFEST
     if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("digest") != spec.digest(identity):
-            raise ValueError(
-                f"{directory} holds a corpus of another backbone or other settings; "
-                "delete it or point data.corpus_dir elsewhere"
-            )
-        if manifest.get("complete"):
-            return directory
+        if json.loads(manifest_path.read_text()).get("digest") != spec.digest(identity):
+            raise ValueError(f"{directory} holds a corpus of another backbone or other settings; "
+                             "delete it or point data.corpus_root elsewhere")
+        return
     manifest = {"digest": spec.digest(identity), "spec": asdict(spec), "backbone": identity, "complete": False,
                 "shards": [shard_name(i) for i in range(spec.num_shards)]}
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
 
+
+def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpec, shards: list[int]) -> None:
+    """Generate the given shards, each from its own seed, each written atomically."""
+    from decode.ar import generate_ar  # the baseline generator is the corpus generator
+    from decode.sampling import SamplingConfig
+
     sampling = SamplingConfig(cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
     device = next(backbone.parameters()).device
-    todo = [i for i in range(spec.num_shards) if not (directory / shard_name(i)).is_file()]
-    for shard in tqdm(todo, desc="corpus shards", unit="shard", disable=None):
+    for shard in tqdm(shards, desc="corpus shards", unit="shard", disable=None):
         class_ids = _class_ids_for_shard(spec, shard)
         generator = torch.Generator(device=device).manual_seed(spec.seed * 100_003 + shard)
         with atomic_path(directory / shard_name(shard)) as tmp, wds.TarWriter(str(tmp)) as sink:
@@ -128,10 +147,6 @@ def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusS
                         twins = result.hidden[j :: len(batch_ids)]  # (2 or 1, N, H): [cond; uncond] rows of image j
                         sample["hidden.npy"] = _npy_bytes(twins.cpu().numpy().astype(np.float16))
                     sink.write(sample)
-    manifest["complete"] = True
-    atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
-    log.info("corpus of %d images in %s", spec.num_images, directory)
-    return directory
 
 
 class CorruptShardError(RuntimeError):

@@ -30,8 +30,14 @@ class CorpusDataModule(pl.LightningDataModule):
         self.num_workers, self.shuffle_buffer, self.seed = num_workers, shuffle_buffer, seed
         self.skip_batches = 0  # set when resuming: the train stream continues where the checkpoint left it
 
-    def prepare_data(self) -> None:
-        build_corpus(self.backbone, self.directory, self.spec)
+    def setup(self, stage: str | None = None) -> None:
+        # Every rank generates its share of the shards (data-parallel corpus generation), then all read.
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            build_corpus(self.backbone, self.directory, self.spec)
+        else:
+            build_corpus(self.backbone, self.directory, self.spec, rank=trainer.global_rank,
+                         world_size=trainer.world_size, barrier=trainer.strategy.barrier)
 
     def _shards(self, split: str) -> list[str]:
         names = [shard_name(i) for i in range(self.spec.num_shards)]

@@ -34,8 +34,19 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     assert single.returncode == 0, single.stderr[-3000:]
     ddp = run_train(common + ["data.batch_size=2", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
                               "trainer.precision=32-true", f"export.dir={tmp_path / 'two'}",
-                              f"hydra.run.dir={tmp_path / 'run_two'}"], tmp_path)
+                              f"hydra.run.dir={tmp_path / 'run_two'}", f"data.corpus_root={tmp_path / 'ddp_corpus'}"],
+                    tmp_path)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
+    # The two ranks generated the corpus between them (data-parallel), the same corpus one process makes.
+    from data.corpus import corpus_dataset
+
+    def corpus_tokens(root):
+        (directory,) = [p.parent for p in root.glob("*/corpus.json")]
+        return [s["tokens"] for s in corpus_dataset(directory, sorted(p.name for p in directory.glob("shard-*.tar")))]
+
+    one_corpus, ddp_corpus = corpus_tokens(tmp_path / "corpora"), corpus_tokens(tmp_path / "ddp_corpus")
+    assert len(one_corpus) == len(ddp_corpus) == 40
+    assert all(torch.equal(a, b) for a, b in zip(one_corpus, ddp_corpus))
     one, two = head_tensors(tmp_path / "one"), head_tensors(tmp_path / "two")
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
