@@ -26,3 +26,28 @@ def test_two_by_two_sweep_completes_with_a_four_row_summary(tmp_path):
     for job in range(4):  # each job kept its own export
         assert (tmp_path / "sweep" / str(job) / "export" / "heads.safetensors").is_file()
     assert "[sweep]   1. val/acceptance=" in done.stdout
+
+
+def test_optuna_sweeper_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["hydra/sweeper=optuna_search"], return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert cfg.hydra.sweeper.direction == "maximize" and "head.width" in cfg.hydra.sweeper.params
+    assert cfg.optimized_metric == "val/acceptance"
+
+
+@pytest.mark.slow
+def test_optuna_sweep_runs_two_trials(tmp_path):
+    command = [sys.executable, "-m", "train", "-m", "hydra/sweeper=optuna_search", "hydra.sweeper.n_trials=2",
+               "+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=ssd_tiny",
+               "trainer=debug", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+               "train.evaluate=null", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+               "hydra.sweeper.params={head.width: 'choice(8, 16)'}"]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
+        assert len(list(csv.DictReader(handle))) == 2
