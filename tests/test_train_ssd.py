@@ -51,8 +51,10 @@ def test_only_head_parameters_are_optimised(tiny_backbone):
 def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     export = tmp_path / "export"
     cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"paths.root_dir={tmp_path}",
-                                     f"paths.checkpoints_dir={classifier_cache}"], tmp_path / "run")
+                                     f"paths.checkpoints_dir={classifier_cache}", "callbacks.samples.every_n_steps=2"],
+                         tmp_path / "run")
     metrics = run_training(cfg)
+    assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()  # the periodic sample grid
     assert 0 < metrics["val/acceptance"] <= 1
     heads = load_heads(export)
     assert heads.config.width == 16
@@ -96,3 +98,13 @@ def test_nan_loss_stops_with_the_step_and_batch(tiny_backbone):
     batch = {"tokens": torch.randint(0, 8, (2, 64)), "class_id": torch.tensor([1, 2]), "hidden": hidden}
     with pytest.raises(FloatingPointError, match=r"step 0 \(batch 7\)"):
         module.training_step(batch, 7)
+
+
+def test_a_bad_config_value_fails_at_start_naming_the_key(tmp_path):
+    import pytest
+    from hydra.errors import InstantiationException
+
+    cfg = compose_config(TINY_SSD + ["head.width=0", f"paths.root_dir={tmp_path}"], tmp_path / "run")
+    with pytest.raises(InstantiationException, match="head.width must be >= 1"):
+        run_training(cfg)
+    assert not (tmp_path / "corpora").exists()  # refused before any corpus or training work

@@ -47,6 +47,18 @@ class DigitsBackboneTraining(pl.LightningModule):
         null = torch.full_like(class_ids, self.model.config.null_class)
         self.log("val/bits_per_token_unconditional", self._bits_per_token(tokens, null))
 
+    @torch.no_grad()
+    def sample_images(self, num_images: int) -> tuple[torch.Tensor, dict]:
+        """Samples of the backbone as it is now, at CFG 3 (for SampleGrid)."""
+        from decode import Condition, SamplingConfig, generate_ar
+
+        was_training = self.model.training
+        self.model.eval()
+        condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
+        result = generate_ar(self.model, condition, SamplingConfig(cfg_scale=3.0), torch.Generator().manual_seed(0))
+        self.model.train(was_training)
+        return self.model.tokens_to_pixels(result.tokens), {}
+
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.model.parameters())
         scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))

@@ -26,7 +26,7 @@ class MuLoDistillation(pl.LightningModule):
     """Trains the drafter on the backbone's downsampled generations; the backbone stays frozen."""
 
     def __init__(self, backbone: ARImageBackbone, drafter: dict, optimizer: Callable[..., torch.optim.Optimizer],
-                 class_dropout: float = 0.1, warmup_steps: int = 50):
+                 class_dropout: float = 0.1, warmup_steps: int = 50, cfg_scale: float = 3.0):
         super().__init__()
         if not 0 <= class_dropout < 1:
             raise ValueError(f"module.class_dropout must be in [0, 1), got {class_dropout}")
@@ -36,6 +36,7 @@ class MuLoDistillation(pl.LightningModule):
         self.drafter = MuLoDrafter(MuLoDrafterConfig(backbone_rows=geometry.rows, backbone_cols=geometry.cols,
                                                      levels=backbone.codebook_size, **drafter))
         self.optimizer_factory, self.class_dropout, self.warmup_steps = optimizer, class_dropout, warmup_steps
+        self.cfg_scale = cfg_scale  # only for the sample grids: the drafter is trained for every scale
         self.strict_loading = False  # checkpoints carry the drafter only
 
     def train(self, mode: bool = True):
@@ -65,6 +66,19 @@ class MuLoDistillation(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val/bits_per_token", self.bits_per_token(batch, drop_classes=False), prog_bar=True,
                  batch_size=batch["tokens"].shape[0])
+
+    @torch.no_grad()
+    def sample_images(self, num_images: int) -> tuple[torch.Tensor, dict]:
+        """Greedy relaxed MuLo-SD with the drafter as it is now (for SampleGrid): images and passes per image."""
+        from decode import Condition, SamplingConfig
+        from decode.mulo import generate_mulo
+
+        was_training = self.drafter.training
+        self.drafter.eval()
+        condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
+        result = generate_mulo(self.backbone, self.drafter, condition, SamplingConfig(cfg_scale=self.cfg_scale, greedy=True))
+        self.drafter.train(was_training)
+        return self.backbone.tokens_to_pixels(result.tokens), {"forward_passes_per_image": float(result.forward_passes)}
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(params=self.drafter.parameters())

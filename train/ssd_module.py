@@ -125,6 +125,18 @@ class SSDDistillation(pl.LightningModule):
         self.log("val/acceptance", logs.pop("acceptance"), prog_bar=True, batch_size=size)
         self.log_dict({f"val/{k}": v for k, v in logs.items()}, batch_size=size)
 
+    @torch.no_grad()
+    def sample_images(self, num_images: int) -> tuple[torch.Tensor, dict]:
+        """Greedy exact SSD with the heads as they are now (for SampleGrid): images and passes per image."""
+        from decode import Condition, SamplingConfig, generate_ssd
+
+        was_training = self.heads.training
+        self.heads.eval()
+        condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
+        result = generate_ssd(self.backbone, self.heads, condition, SamplingConfig(cfg_scale=self.cfg_scale, greedy=True))
+        self.heads.train(was_training)
+        return self.backbone.tokens_to_pixels(result.tokens), {"forward_passes_per_image": float(result.forward_passes)}
+
     # ---- optimisation and export ------------------------------------------------------------
 
     def configure_optimizers(self):
