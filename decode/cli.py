@@ -29,6 +29,7 @@ from decode.ar import generate_ar
 from decode.images import save_image_grid, save_tokens
 from decode.quality import DigitsQuality
 from decode.mulo import MuLoDecodeConfig, generate_mulo
+from decode.plots import plot_speed_quality
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
@@ -180,6 +181,8 @@ def run_decode(cfg: DictConfig) -> dict:
               f"{figures['seconds_per_image']:.3f} s/image  speedup {figures['speedup_vs_ar']:.2f}x  "
               f"accuracy {figures['quality']['classifier_accuracy']:.3f}  FD {figures['quality']['frechet_distance']:.2f}")
     atomic_write_text(out / "metrics.json", json.dumps(report, indent=2) + "\n")
+    if len(methods) > 1:
+        plot_speed_quality(report, out / "speed_quality.png")
     print(f"[decode] wrote {out / 'metrics.json'} and {', '.join(f'{n}.png' for n in methods)}")
     return report
 

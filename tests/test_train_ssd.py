@@ -71,6 +71,7 @@ def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     assert np.array_equal(np.load(out / "tokens_ssd_exact.npy"), np.load(out / "tokens_ar.npy"))  # greedy: lossless
     exact = report["methods"]["ssd_exact"]
     assert exact["forward_passes_per_image"] <= 64 and "mean_accepted_per_pass" in exact
+    assert (out / "speed_quality.png").is_file()
 
 
 def test_damaged_shards_are_named(tiny_backbone, tmp_path):

@@ -1,0 +1,43 @@
+"""The speed-quality picture of a decode run: where each method lands against the baseline."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from data.atomic_io import atomic_path
+
+log = logging.getLogger(__name__)
+
+
+def plot_speed_quality(report: dict, path: str | Path) -> bool:
+    """Scatter speedup vs classifier accuracy and vs Fréchet distance, one point per method; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[decode] no speed-quality plot: pip install matplotlib (or the project's [plots] extra)")
+        return False
+    methods = report["methods"]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, (metric, label) in zip(axes, [("classifier_accuracy", "classifier accuracy (higher is better)"),
+                                            ("frechet_distance", "Fréchet distance (lower is better)")]):
+        for name, figures in methods.items():
+            x, y = figures["speedup_vs_ar"], figures["quality"][metric]
+            marker = "s" if name.startswith("ar") else ("o" if name.startswith("ssd") else "^")
+            axis.scatter(x, y, marker=marker, s=40)
+            axis.annotate(f"{name}\n{figures['forward_passes_per_image']:.0f} passes", (x, y), fontsize=7,
+                          xytext=(4, 4), textcoords="offset points")
+        axis.set_xscale("log")
+        axis.set_xlabel("wall-clock speedup vs KV-cached AR (log)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"batch {report['batch_size']}, {report['num_images']} images, "
+                    f"CFG {report['sampling']['cfg_scale']}, {report['device']}", fontsize=9)
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110)
+    plt.close(figure)
+    return True
