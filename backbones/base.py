@@ -59,18 +59,30 @@ class ImageGeometry:
 
 @dataclass
 class Condition:
-    """What to generate: class ids for class-conditional models, prompts for text-to-image ones."""
+    """What to generate: class ids for class-conditional models, prompts for text-to-image ones.
+
+    `token_ids` are prompts already tokenized in the backbone's own vocabulary
+    (B, L), for text-to-image backbones used without their tokenizer (tests).
+    """
 
     class_ids: torch.Tensor | None = None  # (B,) long
     prompts: list[str] | None = None
+    token_ids: torch.Tensor | None = None  # (B, L) long
 
     def __post_init__(self):
-        if (self.class_ids is None) == (self.prompts is None):
-            raise ValueError("a Condition needs exactly one of class_ids or prompts")
+        given = sum(x is not None for x in (self.class_ids, self.prompts, self.token_ids))
+        if given != 1:
+            raise ValueError("a Condition needs exactly one of class_ids, prompts or token_ids")
+        if self.token_ids is not None and self.token_ids.dim() != 2:
+            raise ValueError(f"Condition.token_ids must be (batch, length), got shape {tuple(self.token_ids.shape)}")
 
     @property
     def batch_size(self) -> int:
-        return len(self.class_ids) if self.class_ids is not None else len(self.prompts)
+        if self.class_ids is not None:
+            return len(self.class_ids)
+        if self.prompts is not None:
+            return len(self.prompts)
+        return self.token_ids.shape[0]
 
 
 @dataclass

@@ -43,6 +43,14 @@ def test_group_option_instantiates(group, option, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     cfg = compose_config(with_option(group, option) + (ON_CPU.get(option, []) if group == "trainer" else []), tmp_path)
+    if group == "backbone" and OmegaConf.is_missing(cfg.backbone, "path"):
+        # Real backbones need local weights: without them, a clear error that says how to get them.
+        cfg.backbone.path = str(tmp_path / "no-weights-here")
+        from hydra.errors import InstantiationException
+
+        with pytest.raises((FileNotFoundError, InstantiationException), match="huggingface-cli download"):
+            hydra.utils.instantiate(cfg.backbone)
+        return
     if (group, option) == ("trainer", "fsdp"):  # Lightning refuses FSDP without a GPU: build the strategy alone
         from pytorch_lightning.strategies import FSDPStrategy
 
