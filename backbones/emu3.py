@@ -42,14 +42,18 @@ adapter reproduces transformers' ``generate`` with Emu3's documented recipe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import DynamicCache, Emu3Config, Emu3ForConditionalGeneration
 from transformers.models.emu3.configuration_emu3 import Emu3TextConfig, Emu3VQVAEConfig
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.hf_loading import (
+    display_name,
+    load_pretrained,
+    load_processor,
+    require_weights,
+)
 
 MODEL_ID = "BAAI/Emu3-Gen-hf"
 
@@ -193,24 +197,10 @@ class Emu3Backbone(ARImageBackbone):
 def load_emu3_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16", trust_remote_code: bool = False,
                        rows: int = DEFAULT_GRID, cols: int = DEFAULT_GRID) -> Emu3Backbone:
     """Hydra entry point: frozen Emu3-Gen from a local transformers-format weights directory."""
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no Emu3 weights at {directory} (expected config.json and safetensors of {MODEL_ID}, "
-            f"the transformers-format checkpoint); get them with "
-            f"`huggingface-cli download {MODEL_ID} --local-dir {directory}`"
-        )
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = Emu3ForConditionalGeneration.from_pretrained(directory, dtype=torch_dtype,
-                                                         trust_remote_code=trust_remote_code)
-    try:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):  # no tokenizer files: token_ids conditions still work
-        processor = None
-    name = MODEL_ID if directory.name in MODEL_ID else str(path)
-    backbone = Emu3Backbone(model, rows=rows, cols=cols, name=name, processor=processor)
+    directory = require_weights(path, MODEL_ID)
+    model = load_pretrained(Emu3ForConditionalGeneration, directory, dtype, trust_remote_code)
+    backbone = Emu3Backbone(model, rows=rows, cols=cols, name=display_name(directory, MODEL_ID),
+                            processor=load_processor(directory, trust_remote_code))
     return backbone.to(device).eval().requires_grad_(False)
 
 

@@ -23,14 +23,26 @@ token, mixed on logits as ``u + s * (c - u)`` (transformers'
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
-from transformers import DynamicCache, JanusConfig, JanusForConditionalGeneration, LlamaConfig
-from transformers.models.janus.configuration_janus import JanusVisionConfig, JanusVQVAEConfig
+from transformers import (
+    DynamicCache,
+    JanusConfig,
+    JanusForConditionalGeneration,
+    LlamaConfig,
+)
+from transformers.models.janus.configuration_janus import (
+    JanusVisionConfig,
+    JanusVQVAEConfig,
+)
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.hf_loading import (
+    display_name,
+    load_pretrained,
+    load_processor,
+    require_weights,
+)
 
 MODEL_ID = "deepseek-community/Janus-Pro-7B"
 
@@ -171,24 +183,10 @@ def _first(value):
 def load_janus_backbone(path: str, device: str = "cpu", dtype: str = "bfloat16",
                         trust_remote_code: bool = False) -> JanusBackbone:
     """Hydra entry point: frozen Janus-Pro from a local transformers-format weights directory."""
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no Janus-Pro weights at {directory} (expected config.json and safetensors of {MODEL_ID}, "
-            f"the transformers-format checkpoint); get them with "
-            f"`huggingface-cli download {MODEL_ID} --local-dir {directory}`"
-        )
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = JanusForConditionalGeneration.from_pretrained(directory, dtype=torch_dtype,
-                                                          trust_remote_code=trust_remote_code)
-    processor = None
-    try:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):  # no tokenizer files: token_ids conditions still work
-        processor = None
-    backbone = JanusBackbone(model, name=MODEL_ID if directory.name in MODEL_ID else str(path), processor=processor)
+    directory = require_weights(path, MODEL_ID)
+    model = load_pretrained(JanusForConditionalGeneration, directory, dtype, trust_remote_code)
+    backbone = JanusBackbone(model, name=display_name(directory, MODEL_ID),
+                             processor=load_processor(directory, trust_remote_code))
     return backbone.to(device).eval().requires_grad_(False)
 
 

@@ -50,14 +50,17 @@ VQGAN checkpoint, outside transformers).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
-from transformers import ChameleonConfig, ChameleonForConditionalGeneration, DynamicCache
+from transformers import (
+    ChameleonConfig,
+    ChameleonForConditionalGeneration,
+    DynamicCache,
+)
 from transformers.models.chameleon.configuration_chameleon import ChameleonVQVAEConfig
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.hf_loading import display_name, load_pretrained, require_weights
 
 MODEL_ID = "Alpha-VLLM/Lumina-mGPT-7B-768"
 
@@ -238,18 +241,13 @@ def load_lumina_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16
                          pad_token_id: int | None = None, uncond: str = "image_header",
                          trust_remote_code: bool = False) -> LuminaBackbone:
     """Hydra entry point: frozen Lumina-mGPT from a transformers-format Chameleon weights directory."""
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no Lumina-mGPT weights at {directory}: expected config.json and safetensors of a "
-            f"transformers-format ChameleonForConditionalGeneration checkpoint of {MODEL_ID}. The original "
-            f"weights (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) are in Lumina-mGPT's own "
-            f"format and must first be converted to transformers' Chameleon format"
-        )
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = ChameleonForConditionalGeneration.from_pretrained(directory, dtype=torch_dtype,
-                                                              trust_remote_code=trust_remote_code)
-    name = MODEL_ID if directory.name in MODEL_ID else str(path)
+    directory = require_weights(
+        path, MODEL_ID,
+        how_to_get=(f"a transformers-format ChameleonForConditionalGeneration checkpoint is needed: the original "
+                    f"weights (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) are in Lumina-mGPT's own "
+                    "format and must first be converted to transformers' Chameleon format"))
+    model = load_pretrained(ChameleonForConditionalGeneration, directory, dtype, trust_remote_code)
+    name = display_name(directory, MODEL_ID)
     backbone = LuminaBackbone(model, name=name, rows=rows, cols=cols, eol_token_id=eol_token_id,
                               pad_token_id=pad_token_id, uncond=uncond)
     return backbone.to(device).eval().requires_grad_(False)

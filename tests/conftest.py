@@ -43,3 +43,25 @@ def classifier_cache(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5):
+    """Untrained SSD heads with random (not zero) output layers: losslessness must not depend on head quality."""
+    from heads.ssd import SSDHeadConfig, SSDHeads
+
+    torch.manual_seed(seed)
+    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=1))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=std)
+    return heads.eval()
+
+
+def assert_greedy_exact_ssd_equals_greedy_ar(backbone, condition, cfg_scale: float) -> None:
+    """The lossless contract every backbone must keep: greedy exact SSD returns greedy AR's tokens."""
+    from decode import SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
+
+    sampling = SamplingConfig(cfg_scale=cfg_scale, greedy=True)
+    heads = random_ssd_heads(backbone.hidden_size, seed=1, std=0.3)
+    baseline = generate_ar(backbone, condition, sampling)
+    speculative = generate_ssd(backbone, heads, condition, sampling, config=SSDDecodeConfig(mode="exact"))
+    assert torch.equal(speculative.tokens, baseline.tokens)

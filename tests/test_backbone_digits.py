@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import COMMITTED_BACKBONE, TINY_BACKBONE
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
 from backbones.digits import DigitsBackbone, DigitsBackboneConfig
-from conftest import COMMITTED_BACKBONE, TINY_BACKBONE
 
 
 @torch.no_grad()

@@ -6,13 +6,18 @@ unmodified copy of the same weights (`random_janus_model` with the same seed).
 
 import pytest
 import torch
+from conftest import assert_greedy_exact_ssd_equals_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
-from backbones.janus import MODEL_ID, JanusBackbone, load_janus_backbone, random_janus_backbone, random_janus_model
+from backbones.janus import (
+    MODEL_ID,
+    JanusBackbone,
+    load_janus_backbone,
+    random_janus_backbone,
+    random_janus_model,
+)
 from decode.ar import generate_ar
 from decode.sampling import SamplingConfig
-from decode.ssd import SSDDecodeConfig, generate_ssd
-from heads.ssd import SSDHeadConfig, SSDHeads
 
 SEED = 0
 # [BOS, prompt..., <begin_of_image>] with the tiny model's ids (pad 0, BOS 1, BOI 2); equal lengths.
@@ -129,18 +134,9 @@ def test_greedy_generate_ar_equals_janus_generate_image_mode(backbone, reference
     assert len(result.tokens.unique()) > 1  # not a degenerate constant image
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_ssd_exact_equals_greedy_ar(backbone, cfg_scale):
-    torch.manual_seed(1)
-    heads = SSDHeads(SSDHeadConfig(hidden_size=backbone.hidden_size, width=16, depth=1)).eval()
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    sampling = SamplingConfig(cfg_scale=cfg_scale, greedy=True)
-    condition = Condition(token_ids=PROMPTS)
-    baseline = generate_ar(backbone, condition, sampling)
-    speculative = generate_ssd(backbone, heads, condition, sampling, config=SSDDecodeConfig(mode="exact"))
-    assert torch.equal(speculative.tokens, baseline.tokens)
+    assert_greedy_exact_ssd_equals_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
 
 
 @torch.no_grad()
@@ -173,10 +169,9 @@ def test_missing_weights_name_the_model_and_how_to_get_them(tmp_path):
 
 
 def test_hydra_configs_build_the_tiny_backbone():
+    from conftest import CONF_DIR
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
-
-    from conftest import CONF_DIR
 
     tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / "janus_tiny.yaml"))
     assert isinstance(tiny, JanusBackbone) and tiny.geometry.num_tokens == 16

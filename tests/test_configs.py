@@ -4,9 +4,9 @@ from pathlib import Path
 
 import hydra
 import pytest
+from conftest import CONF_DIR, compose_config
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, compose_config
 from decode.cli import sampling_from_config
 from train.pipeline import needs_backbone
 

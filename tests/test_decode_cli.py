@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import compose_config
+
 from decode.cli import run_decode
 
 
@@ -35,8 +35,8 @@ def test_unknown_method_is_refused(tmp_path, classifier_cache):
 
 def test_committed_classifier_is_a_competent_judge():
     import torch
-
     from conftest import PROJECT_ROOT
+
     from decode.digits_classifier import load_or_train_classifier, reference_digits
 
     classifier = load_or_train_classifier(PROJECT_ROOT / "checkpoints" / "digits-classifier", 24, 16,

@@ -4,25 +4,16 @@ import itertools
 
 import pytest
 import torch
+from conftest import random_ssd_heads
+from mock_backbone import MockBackbone, MockHeads
 
 from backbones.base import Condition
 from backbones.digits import random_digits_backbone
 from decode.ar import generate_ar
 from decode.sampling import SamplingConfig, token_distribution
 from decode.ssd import SSDDecodeConfig, generate_ssd, residual_distribution
-from heads.ssd import SSDHeadConfig, SSDHeads
-from mock_backbone import MockBackbone, MockHeads
 
 GREEDY = SamplingConfig(greedy=True)
-
-
-def random_heads(hidden_size: int, seed: int = 0) -> SSDHeads:
-    """Untrained heads with random (not zero) output layers: losslessness must not depend on head quality."""
-    torch.manual_seed(seed)
-    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=1))
-    for parameter in heads.parameters():
-        torch.nn.init.normal_(parameter, std=0.5)
-    return heads.eval()
 
 
 # ---- mock backbone: every pass count is known ------------------------------------------------
@@ -80,11 +71,11 @@ def test_residual_distribution():
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("horizontal_steps", [0, 1, 3])
-def test_greedy_exact_ssd_equals_greedy_ar_with_random_heads(tiny_backbone, cfg_scale, horizontal_steps):
+def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
-    heads = random_heads(tiny_backbone.hidden_size, seed=horizontal_steps)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=horizontal_steps)
     speculative = generate_ssd(tiny_backbone, heads, condition, sampling,
                                config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps))
     assert torch.equal(speculative.tokens, baseline.tokens)
@@ -95,7 +86,7 @@ def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone):
     sampling = SamplingConfig(greedy=True, cfg_scale=2.0)
     condition = Condition(class_ids=torch.tensor([1, 5]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
-    result = generate_ssd(tiny_backbone, random_heads(tiny_backbone.hidden_size), condition, sampling,
+    result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition, sampling,
                           config=SSDDecodeConfig(mode="autocorrect", rounds=8))
     assert torch.equal(result.tokens, baseline.tokens)
 
@@ -103,7 +94,7 @@ def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone):
 def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone):
     condition = Condition(class_ids=torch.tensor([2, 4, 6]))
     for rounds in (0, 1, 2):
-        result = generate_ssd(tiny_backbone, random_heads(tiny_backbone.hidden_size), condition, SamplingConfig(cfg_scale=2.0),
+        result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition, SamplingConfig(cfg_scale=2.0),
                               torch.Generator().manual_seed(0), SSDDecodeConfig(mode="autocorrect", rounds=rounds))
         assert result.forward_passes <= 1 + 8 * (rounds + 1)
 
@@ -134,7 +125,7 @@ def test_sampled_exact_ssd_has_the_backbone_distribution(sampling):
             parameter.mul_(3.0)
     truth = exact_image_distribution(backbone, class_id=4, sampling=sampling)
     draws = 40_000
-    result = generate_ssd(backbone, random_heads(16, seed=1), Condition(class_ids=torch.full((draws,), 4)), sampling,
+    result = generate_ssd(backbone, random_ssd_heads(16, seed=1), Condition(class_ids=torch.full((draws,), 4)), sampling,
                           torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact"))
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     observed = {}

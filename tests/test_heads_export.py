@@ -1,14 +1,19 @@
 """Exported heads round-trip bit-exactly and refuse the wrong backbone."""
 
 import json
-import warnings
 
 import pytest
 import torch
+from conftest import TINY_BACKBONE
 
 from backbones.digits import random_digits_backbone
-from conftest import TINY_BACKBONE
-from heads.export import CONFIG_FILE, HEADS_FILE, HeadsMismatchError, export_heads, load_heads
+from heads.export import (
+    CONFIG_FILE,
+    HEADS_FILE,
+    HeadsMismatchError,
+    export_heads,
+    load_heads,
+)
 from heads.ssd import SSDHeadConfig, SSDHeads
 
 

@@ -2,14 +2,26 @@
 
 import pytest
 import torch
+from conftest import compose_config
 
 from backbones.base import Condition
 from backbones.digits import random_digits_backbone
-from conftest import compose_config
 from decode import SamplingConfig, generate_ar
-from decode.mulo import MuLoDecodeConfig, generate_mulo, islands, latent_neighbours, pooled_neighbour_mass, relaxed_accept
+from decode.mulo import (
+    MuLoDecodeConfig,
+    generate_mulo,
+    islands,
+    latent_neighbours,
+    pooled_neighbour_mass,
+    relaxed_accept,
+)
 from heads.export import HeadsMismatchError, export_heads, load_heads
-from heads.mulo import MuLoDrafter, MuLoDrafterConfig, downsample_to_drafter, upsample_to_backbone
+from heads.mulo import (
+    MuLoDrafter,
+    MuLoDrafterConfig,
+    downsample_to_drafter,
+    upsample_to_backbone,
+)
 
 GRID12 = dict(grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import PROJECT_ROOT
+
 from heads.export import load_heads
 
 TINY = ["+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=ssd_tiny", "trainer=debug",

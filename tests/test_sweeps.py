@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import PROJECT_ROOT
 
 
@@ -29,9 +28,8 @@ def test_two_by_two_sweep_completes_with_a_four_row_summary(tmp_path):
 
 
 def test_optuna_sweeper_config_composes():
-    from hydra import compose, initialize_config_dir
-
     from conftest import CONF_DIR
+    from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["hydra/sweeper=optuna_search"], return_hydra_config=True)

@@ -4,10 +4,10 @@ import subprocess
 import sys
 
 import torch
+from conftest import PROJECT_ROOT, compose_config
 
 from backbones.base import Condition
 from backbones.digits import DigitsBackbone
-from conftest import PROJECT_ROOT, compose_config
 from train.pipeline import run_training
 
 

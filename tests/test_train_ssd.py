@@ -3,8 +3,8 @@
 import json
 
 import torch
-
 from conftest import compose_config
+
 from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
 from decode.cli import run_decode
 from heads.export import load_heads

@@ -1,0 +1,38 @@
+"""Loading frozen transformers models from local weights, shared by the transformers-based adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def require_weights(path: str | Path, model_id: str, how_to_get: str | None = None) -> Path:
+    """The weights directory, or a FileNotFoundError naming the model id and how to get the weights."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        how_to_get = how_to_get or (f"get them with `huggingface-cli download {model_id} --local-dir {directory}`")
+        raise FileNotFoundError(f"no weights of {model_id} at {directory} (expected config.json and safetensors "
+                                f"in transformers format); {how_to_get}")
+    return directory
+
+
+def load_pretrained(model_class, directory: Path, dtype: str | torch.dtype, trust_remote_code: bool = False):
+    """`model_class.from_pretrained` in the given dtype; remote code runs only when the config opts in."""
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return model_class.from_pretrained(directory, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+
+
+def load_processor(directory: Path, trust_remote_code: bool = False):
+    """The model's processor (tokenizer), or None when the directory has no tokenizer files."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # token_ids conditions still work without it
+        return None
+
+
+def display_name(directory: Path, model_id: str) -> str:
+    """The model id when the folder is named after it, else the path (shown in errors, stored with heads)."""
+    return model_id if directory.name in model_id else str(directory)
