@@ -58,7 +58,7 @@ def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     assert 0 < metrics["val/acceptance"] <= 1
     heads = load_heads(export)
     assert heads.config.width == 16
-    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert not any(k.startswith("backbone.") for k in checkpoint["state_dict"])  # heads only
     out = tmp_path / "decode"
     cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"decode.out={out}", "decode.num_images=4",
