@@ -66,10 +66,12 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
             methods[name] = Method(generate_ar)
         elif re.fullmatch(r"ar_seed\d+", name):
             methods[name] = Method(generate_ar, seed_offset=int(name.removeprefix("ar_seed")))
-        elif re.fullmatch(r"ssd_exact|ssd_autocorrect(_r\d+)?", name):
+        elif match := re.fullmatch(r"ssd_exact|ssd_autocorrect(?:_r(\d+))?(?:_(target|residual|prefix))?", name):
             heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device, kind="ssd")
-            rounds = int(name.split("_r")[-1]) if "_r" in name else cfg.decode.ssd.rounds
-            ssd = SSDDecodeConfig(mode="exact" if name == "ssd_exact" else "autocorrect", rounds=rounds,
+            rounds, correction = match.groups()
+            ssd = SSDDecodeConfig(mode="exact" if name == "ssd_exact" else "autocorrect",
+                                  rounds=int(rounds) if rounds else cfg.decode.ssd.rounds,
+                                  correction=correction or cfg.decode.ssd.correction,
                                   horizontal_steps=cfg.decode.ssd.horizontal_steps)
             methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
         elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?", name):
@@ -84,7 +86,7 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
             methods[name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo))
         else:
             raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
-                             "ssd_autocorrect, ssd_autocorrect_r<K>, mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>")
+                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>")
     return methods
 
 

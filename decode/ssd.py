@@ -25,16 +25,19 @@ by row. For row ``r``:
      until every image has its whole row. Lossless: greedy output is the greedy
      baseline's token for token, sampled output has the baseline's distribution.
      A row costs 1 + (most rejections of any image in the batch) passes.
-   - ``autocorrect`` (the paper's): test every position in parallel against
-     ``p``, resample *every* rejected position from its residual in the same
-     pass, and re-verify the corrected row with the cache rolled back, for
-     ``rounds`` more passes; a row costs at most ``rounds + 1`` passes.
-     Approximation: a token resampled after the last pass, and any accepted
-     token to its right, was judged against a left context that differs from
-     the final one, so the output distribution is not exactly the backbone's
-     (``rounds`` large enough makes it exact: a row whose every position passes
-     the test is an exact speculative-sampling outcome). The reports put its
-     quality metrics beside the baseline's.
+   - ``autocorrect``: at most ``rounds + 1`` passes per row. With correction
+     ``residual`` (the paper's wording): test every position in parallel
+     against ``p``, resample *every* rejected position from its residual in the
+     same pass, re-verify the corrected row with the cache rolled back.
+     ``target`` redraws the rejected positions right of the first rejection
+     from ``p`` instead. ``prefix`` (the default) runs the exact rule and, when
+     the budget is spent, keeps the re-drafted rest of the row unverified.
+     Approximation in all three: tokens not verified against their final left
+     context are kept, so the output distribution is not exactly the
+     backbone's (``rounds`` large enough makes it exact). On the digits
+     backbone the parallel corrections (``residual``, ``target``) oscillate
+     into stripes when drafts are rejected densely; see the README's figures.
+     The reports put the quality metrics beside the baseline's.
 
 Batching: all images of a batch work on the same row, so every pass feeds the
 same number of tokens and one cache length serves them all; an image that has
@@ -61,10 +64,16 @@ class SSDDecodeConfig:
     mode: Literal["exact", "autocorrect"] = "exact"
     rounds: int = 1  # autocorrect: re-verification passes per row after the first (a row costs <= rounds + 1)
     horizontal_steps: int = 1  # positions drafted by the horizontal head after a token the backbone gave
+    # autocorrect: what a rejected token right of an image's first rejection is redrawn from: "target" (p given
+    # the drafted context) or "residual" (norm(max(0, p - q)), the exact rule's correction, applied everywhere)
+    # "prefix": verify exactly like `exact` but stop after rounds + 1 passes and keep the rest of the row's drafts
+    correction: Literal["target", "residual", "prefix"] = "prefix"
 
     def __post_init__(self):
         if self.mode not in ("exact", "autocorrect"):
             raise ValueError(f"SSD mode must be 'exact' or 'autocorrect', got {self.mode!r}")
+        if self.correction not in ("target", "residual", "prefix"):
+            raise ValueError(f"SSD correction must be 'target', 'residual' or 'prefix', got {self.correction!r}")
         if self.rounds < 0 or self.horizontal_steps < 0:
             raise ValueError(f"SSD rounds and horizontal_steps must be >= 0, got {self.rounds}, {self.horizontal_steps}")
 
@@ -189,7 +198,7 @@ def generate_ssd(
             # Fed tokens left of every image's first rejection are final, and so are their cache entries.
             row_cached = max(row_cached, int(first_rejected.min()))
 
-            if config.mode == "exact":
+            if config.mode == "exact" or config.correction == "prefix":
                 accepted += int(((first_rejected - committed).clamp(min=0) * open_images).sum())
                 rejected_images = torch.nonzero(first_rejected < cols)[:, 0]
                 if len(rejected_images) == 0:
@@ -203,13 +212,24 @@ def generate_ssd(
                 drafter.horizontal(row_tokens, row_q, rejected_images, position,
                                    row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)],
                                    row_tokens[rejected_images, position], cols - 1 if row == 0 else config.horizontal_steps)
+                if config.mode == "autocorrect" and verify_passes > config.rounds:
+                    break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
             else:
                 still_open = open_images & ~passed.all(1)
                 accepted += int((passed & ~is_committed & open_images[:, None]).sum())
                 resample = ~passed & still_open[:, None]  # (B, C)
                 if resample.any():
-                    residual = residual_distribution(p[resample], row_q[resample])
-                    row_tokens[resample], row_q[resample] = drafter.sample(residual), residual
+                    # At an image's first rejection the context is final: the residual is the exact
+                    # correction. Further right the context holds rejected drafts; there the
+                    # correction is drawn from p itself ("target") or, as the paper words it, from
+                    # the residual too ("residual", which excludes the draft's mass and, with weak
+                    # drafts, turns rejections into anti-correlated noise).
+                    exact_context = torch.arange(cols, device=device)[None] == first_rejected[:, None]
+                    use_residual = resample & (exact_context | (config.correction == "residual"))
+                    correction = p.clone()
+                    correction[use_residual] = residual_distribution(p[use_residual], row_q[use_residual])
+                    row_tokens[resample] = drafter.sample(correction[resample])
+                    row_q[resample] = correction[resample]
                 # Left of its first rejection an image's tokens passed against their final context: final.
                 committed = torch.where(still_open, torch.maximum(committed, first_rejected), cols)
                 if not still_open.any() or verify_passes > config.rounds:

@@ -52,7 +52,7 @@ def test_partial_accept_horizontal_right_vertical_wrong():
 
 def test_autocorrect_resamples_every_rejection_in_the_same_pass():
     backbone = MockBackbone(rows=4, cols=5)
-    config = SSDDecodeConfig(mode="autocorrect", rounds=0)
+    config = SSDDecodeConfig(mode="autocorrect", rounds=0, correction="residual")
     result = generate_ssd(backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(3, dtype=torch.long)), GREEDY,
                           config=config)
     # Context-free targets make the residual (= p) right everywhere: one pass per row, all tokens right.
@@ -82,20 +82,23 @@ def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, 
     assert speculative.forward_passes <= baseline.forward_passes
 
 
-def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone):
+@pytest.mark.parametrize("correction", ["prefix", "target", "residual"])
+def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone, correction):
     sampling = SamplingConfig(greedy=True, cfg_scale=2.0)
     condition = Condition(class_ids=torch.tensor([1, 5]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
     result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition, sampling,
-                          config=SSDDecodeConfig(mode="autocorrect", rounds=8))
+                          config=SSDDecodeConfig(mode="autocorrect", rounds=8, correction=correction))
     assert torch.equal(result.tokens, baseline.tokens)
 
 
-def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone):
+@pytest.mark.parametrize("correction", ["prefix", "target", "residual"])
+def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone, correction):
     condition = Condition(class_ids=torch.tensor([2, 4, 6]))
     for rounds in (0, 1, 2):
-        result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition, SamplingConfig(cfg_scale=2.0),
-                              torch.Generator().manual_seed(0), SSDDecodeConfig(mode="autocorrect", rounds=rounds))
+        result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition,
+                              SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
+                              SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction))
         assert result.forward_passes <= 1 + 8 * (rounds + 1)
 
 
