@@ -17,6 +17,7 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("[decode] no speed-quality plot: pip install matplotlib (or the project's [plots] extra)")
         return False
@@ -31,6 +32,8 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
             axis.annotate(f"{name}\n{figures['forward_passes_per_image']:.0f} passes", (x, y), fontsize=7,
                           xytext=(4, 4), textcoords="offset points")
         axis.set_xscale("log")
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_xlabel("wall-clock speedup vs KV-cached AR (log)")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
