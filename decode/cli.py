@@ -27,9 +27,9 @@ from backbones.base import ARImageBackbone, Condition
 from data.atomic_io import atomic_write_text
 from decode.ar import generate_ar
 from decode.images import save_image_grid, save_tokens
-from decode.quality import DigitsQuality
 from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.plots import plot_speed_quality
+from decode.quality import DigitsQuality
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd

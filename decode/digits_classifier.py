@@ -18,7 +18,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from data.atomic_io import atomic_save_safetensors, atomic_write_text
-from data.digits import NUM_CLASSES, DigitsAugment, DigitsTokenizer, load_digit_images, render_digits
+from data.digits import (
+    NUM_CLASSES,
+    DigitsAugment,
+    DigitsTokenizer,
+    load_digit_images,
+    render_digits,
+)
 
 CLASSIFIER_VERSION = 2  # bump when the architecture or recipe changes, so cached copies are retrained
 

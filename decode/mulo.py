@@ -97,17 +97,20 @@ def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tens
     return uniform < mass  # probability min(1, p(x) + c_m) for a point proposal q(x) = 1
 
 
-def islands(rejected: torch.Tensor, radius: int) -> tuple[torch.Tensor, list[int]]:
-    """Grow rejected cells (B, H, W) by `radius` (Chebyshev) and label 8-connected islands.
+def islands(rejected: torch.Tensor, radius: int) -> torch.Tensor:
+    """Grow rejected cells (B, H, W) by `radius` (Chebyshev): the mask of every island's cells.
 
-    Returns the grown mask (B, H, W) and the number of islands per image.
+    All islands are resampled in the same pass, so decoding needs the mask, not the labels.
     """
     grown = rejected.float()
     if radius > 0:
         grown = F.max_pool2d(grown[:, None], 2 * radius + 1, stride=1, padding=radius)[:, 0]
-    grown = grown > 0
-    counts = [int(ndimage.label(mask, structure=np.ones((3, 3)))[1]) for mask in grown.cpu().numpy()]
-    return grown, counts
+    return grown > 0
+
+
+def count_islands(mask: torch.Tensor) -> list[int]:
+    """The number of 8-connected islands in each image of a mask (B, H, W) (for reports and tests)."""
+    return [int(ndimage.label(image, structure=np.ones((3, 3)))[1]) for image in mask.cpu().numpy()]
 
 
 @torch.inference_mode()
@@ -187,8 +190,7 @@ def generate_mulo(
                 passed = relaxed_accept(block_p, block_tokens, neighbours, config.delta, sampling.greedy, uniform)
                 drafted += batch * block
                 accepted += int(passed.sum())
-                grown, _ = islands(~passed.view(batch, scale, cols), config.radius)
-                grown = grown.flatten(1)
+                grown = islands(~passed.view(batch, scale, cols), config.radius).flatten(1)
                 if grown.any():
                     block_tokens[grown] = sample_from(block_p[grown], generator)  # all islands at once
                     first_changed = int(torch.where(grown.any(0))[0].min())

@@ -16,8 +16,3 @@ class GenerationResult:
     drafted_tokens: int = 0  # speculative methods: tokens proposed by the drafter
     accepted_tokens: int = 0  # speculative methods: drafted tokens kept
     hidden: torch.Tensor | None = None  # (cache rows, N, hidden) pre-norm states, when asked for
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """Image tokens produced per backbone pass, per image (1.0 for plain AR)."""
-        return self.tokens[0].numel() / self.forward_passes
