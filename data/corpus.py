@@ -149,6 +149,15 @@ def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpe
                     sink.write(sample)
 
 
+def batch_condition(batch: dict) -> Condition:
+    """The condition of a collated corpus batch: ``class_id`` (tensor) or ``prompt`` (list of str)."""
+    if "class_id" in batch:
+        return Condition(class_ids=batch["class_id"])
+    if "prompt" in batch:
+        return Condition(prompts=list(batch["prompt"]))
+    raise KeyError(f"a corpus batch needs 'class_id' or 'prompt', got keys {sorted(batch)}")
+
+
 class CorruptShardError(RuntimeError):
     """A corpus shard could not be read."""
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from backbones.base import Condition
 from backbones.digits import DigitsBackbone
 from data.atomic_io import atomic_write_text
+from data.corpus import batch_condition
 from data.paths import PROJECT_ROOT
 from train.ssd_module import SSDDistillation
 
@@ -51,7 +51,7 @@ def main() -> dict:
     n = backbone.geometry.num_tokens
     batch = {"tokens": torch.randint(0, backbone.codebook_size, (args.batch_size, n)),
              "class_id": torch.randint(0, 10, (args.batch_size,))}
-    condition = Condition(class_ids=batch["class_id"])
+    condition = batch_condition(batch)
     recorded = backbone.teacher_forced_hidden(condition, batch["tokens"], guided=True)  # (2B, N, H)
     offline_batch = {**batch, "hidden": recorded.view(2, args.batch_size, n, -1).transpose(0, 1).half()}
 

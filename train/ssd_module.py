@@ -23,7 +23,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from backbones.base import ARImageBackbone, Condition
+from backbones.base import ARImageBackbone
+from data.corpus import batch_condition
 from heads.export import export_heads
 from heads.ssd import SSDHeadConfig, SSDHeads
 from train.schedules import warmup_cosine
@@ -63,7 +64,7 @@ class SSDDistillation(pl.LightningModule):
                 raise ValueError("the offline corpus was generated with a different CFG setting than module.cfg_scale")
         else:
             with torch.no_grad():
-                hidden = self.backbone.teacher_forced_hidden(Condition(class_ids=batch["class_id"]), tokens, self.guided)
+                hidden = self.backbone.teacher_forced_hidden(batch_condition(batch), tokens, self.guided)
         return hidden.reshape(hidden.shape[0], rows, cols, -1)
 
     def distribution_logits(self, hidden: torch.Tensor) -> torch.Tensor:
