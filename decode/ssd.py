@@ -68,14 +68,22 @@ class SSDDecodeConfig:
     # the drafted context) or "residual" (norm(max(0, p - q)), the exact rule's correction, applied everywhere)
     # "prefix": verify exactly like `exact` but stop after rounds + 1 passes and keep the rest of the row's drafts
     correction: Literal["target", "residual", "prefix"] = "prefix"
+    # exact / prefix: verify at most this many positions after the first open one per pass (0: the row's rest).
+    # A pass costs compute per token fed; where that is not free (CPU, large batches) a window near the mean
+    # accepted run saves the compute spent verifying positions a rejection further left invalidates anyway.
+    window: int = 0
 
     def __post_init__(self):
         if self.mode not in ("exact", "autocorrect"):
             raise ValueError(f"SSD mode must be 'exact' or 'autocorrect', got {self.mode!r}")
         if self.correction not in ("target", "residual", "prefix"):
             raise ValueError(f"SSD correction must be 'target', 'residual' or 'prefix', got {self.correction!r}")
-        if self.rounds < 0 or self.horizontal_steps < 0:
-            raise ValueError(f"SSD rounds and horizontal_steps must be >= 0, got {self.rounds}, {self.horizontal_steps}")
+        if self.rounds < 0 or self.horizontal_steps < 0 or self.window < 0:
+            raise ValueError(f"SSD rounds, horizontal_steps and window must be >= 0, got {self.rounds}, "
+                             f"{self.horizontal_steps}, {self.window}")
+        if self.window and self.mode == "autocorrect" and self.correction != "prefix":
+            raise ValueError("decode.ssd.window works with mode exact or correction prefix; set it to 0 for "
+                             f"correction {self.correction!r}")
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -151,6 +159,7 @@ def generate_ssd(
     cache_valid = 0  # grid tokens whose cached keys/values belong to the committed tokens of every image
     first_exact = torch.ones(batch, dtype=torch.bool, device=device)  # h_first came from the committed context
     hidden_above = tokens_above = None
+    hidden_size_zeros = h_first  # shape and dtype of the (G, 1, H) states
 
     for row in range(rows):
         row_start = row * cols
@@ -159,14 +168,17 @@ def generate_ssd(
         row_q = torch.zeros(batch, cols, backbone.codebook_size, device=device)
         if row > 0:
             row_tokens[:], row_q[:] = drafter.vertical(hidden_above, tokens_above)
-        row_q[:, 0] = drafter.distribution(h_first)[:, 0]
-        row_tokens[:, 0] = drafter.sample(row_q[:, 0])
+        if h_first is not None:  # None: the row above ended unfed (window); its vertical draft stands
+            row_q[:, 0] = drafter.distribution(h_first)[:, 0]
+            row_tokens[:, 0] = drafter.sample(row_q[:, 0])
         steps = cols - 1 if row == 0 else config.horizontal_steps
-        drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                           row_tokens[:, 0], steps)
+        if h_first is not None:
+            drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
+                               row_tokens[:, 0], steps)
         committed = first_exact.long()  # (B,) positions of this row already final
-        row_hidden = h_first.new_zeros(h_first.shape[0], cols, h_first.shape[-1])  # (G, C, H) predicts each position
-        row_hidden[:, 0] = h_first[:, 0]
+        row_hidden = hidden_size_zeros.new_zeros(hidden_size_zeros.shape[0], cols, hidden_size_zeros.shape[-1])
+        if h_first is not None:
+            row_hidden[:, 0] = h_first[:, 0]  # row_hidden[:, i] predicts position i
         row_cached = 0  # positions of this row whose cached keys/values are final for every image
         verify_passes = 0
 
@@ -176,12 +188,18 @@ def generate_ssd(
             # would cost compute and change nothing.
             start = cache_valid if cache_valid < row_start else row_start + row_cached
             backbone.rollback(state, start)
-            feed = torch.cat([tokens[:, start:row_start], row_tokens[:, max(0, start - row_start):]], dim=1)
+            windowed = config.window and (config.mode == "exact" or config.correction == "prefix")
+            feed_end = row_start + cols  # grid positions [start, feed_end) are fed
+            if windowed:
+                feed_end = min(feed_end, row_start + int(committed.min()) + config.window)
+            feed = torch.cat([tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]],
+                             dim=1)
             out = backbone.step(state, feed)  # (G, L, H); out[:, j] predicts grid position start + j + 1
             passes, verify_passes = passes + 1, verify_passes + 1
             first_fresh = max(row_start, start + 1)  # the first row position whose state this pass gives
             fresh = first_fresh - row_start
-            row_hidden[:, fresh:] = out[:, first_fresh - start - 1 : first_fresh - start - 1 + cols - fresh]
+            extent = min(cols, feed_end - row_start + 1)  # row positions < extent are verified by this pass
+            row_hidden[:, fresh:extent] = out[:, first_fresh - start - 1 : first_fresh - start - 1 + extent - fresh]
             if fresh == 0:  # the previous row was re-fed: the first-token state is now exact
                 h_first = row_hidden[:, :1]
             cache_valid = row_start
@@ -192,21 +210,25 @@ def generate_ssd(
             passed = uniform * qx < px  # accept with probability min(1, p/q)
             is_committed = torch.arange(cols, device=device)[None] < committed[:, None]
             passed |= is_committed
+            passed[:, extent:] &= is_committed[:, extent:]  # not verified yet: stop there without correcting
             open_images = committed < cols
             drafted += int((~is_committed & open_images[:, None]).sum())
             first_rejected = torch.where(passed.all(1), cols, (~passed).float().argmax(1))  # (B,)
             # Fed tokens left of every image's first rejection are final, and so are their cache entries.
-            row_cached = max(row_cached, int(first_rejected.min()))
+            row_cached = max(row_cached, min(int(first_rejected.min()), feed_end - row_start))
 
             if config.mode == "exact" or config.correction == "prefix":
                 accepted += int(((first_rejected - committed).clamp(min=0) * open_images).sum())
-                rejected_images = torch.nonzero(first_rejected < cols)[:, 0]
+                rejected_images = torch.nonzero(first_rejected < extent)[:, 0]
                 if len(rejected_images) == 0:
-                    break
+                    committed = committed.clamp(min=extent)
+                    if bool((committed >= cols).all()) or (config.mode == "autocorrect" and verify_passes > config.rounds):
+                        break
+                    continue
                 position = first_rejected[rejected_images]
                 residual = residual_distribution(p[rejected_images, position], row_q[rejected_images, position])
                 row_tokens[rejected_images, position] = drafter.sample(residual)
-                committed = torch.where(first_rejected < cols, first_rejected + 1, cols)
+                committed = torch.where(first_rejected < extent, first_rejected + 1, committed.clamp(min=extent))
                 if row == rows - 1 and bool((committed >= cols).all()):
                     break  # the image is complete; no next row needs the state after the correction
                 drafter.horizontal(row_tokens, row_q, rejected_images, position,
@@ -238,13 +260,17 @@ def generate_ssd(
         tokens[:, row_start : row_start + cols] = row_tokens
         # Which images' cache rows now hold exactly their final row (autocorrect may have resampled after the pass).
         fed_is_final = committed >= cols
-        if config.mode == "autocorrect" and not bool(fed_is_final.all()):
+        last_fed = feed_end == row_start + cols
+        if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
+            first_exact = torch.zeros_like(first_exact)
+            cache_valid = row_start + row_cached
+        elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
             first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
             cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
         else:
             first_exact = torch.ones_like(first_exact)
             cache_valid = row_start + cols
-        h_first = out[:, -1:]
+        h_first = out[:, -1:] if last_fed else None
         hidden_above, tokens_above = row_hidden, row_tokens
 
     return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,

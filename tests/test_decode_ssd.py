@@ -71,13 +71,14 @@ def test_residual_distribution():
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("horizontal_steps", [0, 1, 3])
-def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps):
+@pytest.mark.parametrize("window", [0, 2])
+def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps, window):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=horizontal_steps)
     speculative = generate_ssd(tiny_backbone, heads, condition, sampling,
-                               config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps))
+                               config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps, window=window))
     assert torch.equal(speculative.tokens, baseline.tokens)
     assert speculative.forward_passes <= baseline.forward_passes
 
@@ -96,10 +97,17 @@ def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone, correction):
 def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone, correction):
     condition = Condition(class_ids=torch.tensor([2, 4, 6]))
     for rounds in (0, 1, 2):
-        result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition,
-                              SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
-                              SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction))
-        assert result.forward_passes <= 1 + 8 * (rounds + 1)
+        for window in ((0, 3) if correction == "prefix" else (0,)):
+            result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition,
+                                  SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
+                                  SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction,
+                                                  window=window))
+            assert result.forward_passes <= 1 + 8 * (rounds + 1)
+
+
+def test_window_needs_exact_or_prefix():
+    with pytest.raises(ValueError, match="window works with mode exact or correction prefix"):
+        SSDDecodeConfig(mode="autocorrect", correction="residual", window=4)
 
 
 def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) -> dict:
@@ -117,7 +125,8 @@ def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
                          ids=["cfg", "temperature-topk"])
-def test_sampled_exact_ssd_has_the_backbone_distribution(sampling):
+@pytest.mark.parametrize("window", [0, 1], ids=["whole-row", "window-1"])
+def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window):
     """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
     from scipy.stats import chisquare
 
@@ -129,7 +138,7 @@ def test_sampled_exact_ssd_has_the_backbone_distribution(sampling):
     truth = exact_image_distribution(backbone, class_id=4, sampling=sampling)
     draws = 40_000
     result = generate_ssd(backbone, random_ssd_heads(16, seed=1), Condition(class_ids=torch.full((draws,), 4)), sampling,
-                          torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact"))
+                          torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", window=window))
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     observed = {}
     for image in result.tokens.flatten(1).tolist():
