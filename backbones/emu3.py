@@ -47,7 +47,13 @@ from torch import nn
 from transformers import DynamicCache, Emu3Config, Emu3ForConditionalGeneration
 from transformers.models.emu3.configuration_emu3 import Emu3TextConfig, Emu3VQVAEConfig
 
-from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.base import (
+    ARImageBackbone,
+    Condition,
+    DecodeState,
+    ImageGeometry,
+    pooled_prompt_embedding,
+)
 from backbones.hf_loading import (
     display_name,
     load_pretrained,
@@ -124,7 +130,8 @@ class Emu3Backbone(ARImageBackbone):
                     for p in condition.prompts]
             if len({len(r) for r in rows}) != 1:
                 raise ValueError("prompts of one batch must tokenize to the same length (padding is not "
-                                 "implemented); decode them in separate batches")
+                                 "implemented); decode them in separate batches (data.corpus.group_by_prompt_length "
+                                 "does that)")
             ids = torch.tensor(rows, dtype=torch.long)
         else:
             raise ValueError("Emu3 is text-conditional: give Condition(prompts=...) or Condition(token_ids=...)")
@@ -185,6 +192,10 @@ class Emu3Backbone(ARImageBackbone):
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(self.vocab_ids(tokens))
+
+    def condition_embedding(self, condition: Condition) -> torch.Tensor:
+        """(B, hidden): the prompt's frozen input embeddings, mean-pooled (conditions a MuLo-SD drafter)."""
+        return pooled_prompt_embedding(self, self.model.get_input_embeddings(), condition, self.pad_token_id)
 
     def codebook_latents(self) -> torch.Tensor:
         return self.model.model.vqmodel.quantize.embedding.weight
@@ -256,9 +267,33 @@ def random_emu3_model(seed: int = 0, **config_overrides) -> Emu3ForConditionalGe
     return model.eval().requires_grad_(False)
 
 
+def tiny_emu3_tokenizer(vocabulary_map: dict[str, int] | None = None, vocab_size: int | None = None):
+    """A word-level tokenizer inside the tiny model's text ids (BOS/EOS/pad and image markers as Emu3's).
+
+    The specials, digits and ``*`` keep their tiny ids, so the image header
+    ``<|image start|>3*4<|image token|>`` tokenizes as the real tokenizer does;
+    other words take the ids the tiny vocabulary leaves free (9, 21..39 and the
+    ids after the visual tokens).
+    """
+    from backbones.tiny_tokenizer import tiny_word_tokenizer
+
+    vocabulary_map = vocabulary_map if vocabulary_map is not None else tiny_vocabulary_map()
+    fixed = {token: i for token, i in vocabulary_map.items() if not token.startswith("<|visual token")}
+    taken = set(vocabulary_map.values())
+    vocab_size = vocab_size or max(taken) + 1
+    free = [i for i in range(vocab_size) if i not in taken]
+    return tiny_word_tokenizer(fixed, special=list(_TINY_SPECIAL), free_ids=free, bos_token="<|extra_203|>",
+                               eos_token="<|extra_204|>", pad_token="<|endoftext|>")
+
+
 def random_emu3_backbone(seed: int = 0, device: str = "cpu", rows: int = TINY_ROWS, cols: int = TINY_COLS,
-                         **config_overrides) -> Emu3Backbone:
-    """Hydra entry point: a tiny random-weight Emu3 backbone (3x4 grid, 32 codes; nothing to download)."""
+                         tokenizer: bool = False, **config_overrides) -> Emu3Backbone:
+    """Hydra entry point: a tiny random-weight Emu3 backbone (3x4 grid, 32 codes; nothing to download).
+
+    `tokenizer=True` attaches `tiny_emu3_tokenizer`, so ``Condition(prompts=...)`` works.
+    """
     model = random_emu3_model(seed, **config_overrides)
-    backbone = Emu3Backbone(model, rows=rows, cols=cols, name="emu3-tiny-random")
+    processor = (tiny_emu3_tokenizer(model.config.vocabulary_map, model.config.text_config.vocab_size)
+                 if tokenizer else None)
+    backbone = Emu3Backbone(model, rows=rows, cols=cols, name="emu3-tiny-random", processor=processor)
     return backbone.to(device).eval().requires_grad_(False)

@@ -36,7 +36,13 @@ from transformers.models.janus.configuration_janus import (
     JanusVQVAEConfig,
 )
 
-from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.base import (
+    ARImageBackbone,
+    Condition,
+    DecodeState,
+    ImageGeometry,
+    pooled_prompt_embedding,
+)
 from backbones.hf_loading import (
     display_name,
     load_pretrained,
@@ -110,7 +116,7 @@ class JanusBackbone(ARImageBackbone):
         if mask is not None and not bool(mask.all()):
             raise ValueError(
                 "prompts of one batch must tokenize to the same length (left padding is not implemented); "
-                "decode them in separate batches"
+                "decode them in separate batches (data.corpus.group_by_prompt_length does that)"
             )
         return encoded["input_ids"].long()
 
@@ -149,6 +155,10 @@ class JanusBackbone(ARImageBackbone):
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.prepare_embeddings_for_image_generation(tokens)
+
+    def condition_embedding(self, condition: Condition) -> torch.Tensor:
+        """(B, hidden): the prompt's frozen input embeddings, mean-pooled (conditions a MuLo-SD drafter)."""
+        return pooled_prompt_embedding(self, self.model.get_input_embeddings(), condition, self.pad_token_id)
 
     def codebook_latents(self) -> torch.Tensor:
         """The VQ codebook's raw embedding weights (the decoder L2-normalises them before use)."""
@@ -251,7 +261,46 @@ def random_janus_model(seed: int = 0, **config_overrides) -> JanusForConditional
     return model.eval().requires_grad_(False)
 
 
-def random_janus_backbone(seed: int = 0, device: str = "cpu", **config_overrides) -> JanusBackbone:
-    """Hydra entry point: a tiny random-weight Janus backbone (for tests; nothing to download)."""
+# Janus-Pro's chat template reduced to one user turn: "<|User|>: {prompt}\n\n<|Assistant|>:".
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|User|>: "
+    "{% for content in message['content'] %}{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}\n\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|Assistant|>:{% endif %}"
+)
+
+
+def tiny_janus_processor(vocab_size: int = 64, grid_size: int = 4):
+    """A `JanusProcessor` over a word-level tokenizer inside the tiny model's text ids.
+
+    pad 0, BOS 1 (prepended, as Janus' Llama tokenizer does), ``<begin_of_image>`` 2,
+    ``<image_placeholder>`` 3, ``<end_of_image>`` 4, ``<|User|>`` 5, ``<|Assistant|>`` 6;
+    words take ids 7..; the chat template follows Janus-Pro's user/assistant format.
+    """
+    import transformers
+    from transformers import JanusProcessor
+
+    from backbones.tiny_tokenizer import tiny_word_tokenizer
+
+    fixed = {"<pad>": _TINY_PAD, "<bos>": _TINY_BOS, "<begin_of_image>": _TINY_BOI, "<image_placeholder>": _TINY_IMAGE,
+             "<end_of_image>": 4, "<|User|>": 5, "<|Assistant|>": 6}
+    tokenizer = tiny_word_tokenizer(
+        fixed, special=list(fixed), free_ids=list(range(7, vocab_size)), bos_token="<bos>", pad_token="<pad>",
+        add_bos=True,
+        extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
+                              "eoi_token": "<end_of_image>"})
+    # The PIL image processor: the default one wants torchvision, and prompts need no image processing.
+    image_processor_class = getattr(transformers, "JanusImageProcessorPil", None) or transformers.JanusImageProcessor
+    return JanusProcessor(image_processor=image_processor_class(), tokenizer=tokenizer,
+                          chat_template=TINY_CHAT_TEMPLATE, num_image_tokens=grid_size * grid_size)
+
+
+def random_janus_backbone(seed: int = 0, device: str = "cpu", tokenizer: bool = False,
+                          **config_overrides) -> JanusBackbone:
+    """Hydra entry point: a tiny random-weight Janus backbone (for tests; nothing to download).
+
+    `tokenizer=True` attaches `tiny_janus_processor`, so ``Condition(prompts=...)`` works.
+    """
     model = random_janus_model(seed, **config_overrides)
-    return JanusBackbone(model, name="janus-tiny-random").to(device).eval().requires_grad_(False)
+    side = model.config.vq_config.num_patches
+    processor = tiny_janus_processor(model.config.text_config.vocab_size, side) if tokenizer else None
+    return JanusBackbone(model, name="janus-tiny-random", processor=processor).to(device).eval().requires_grad_(False)

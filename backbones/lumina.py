@@ -28,8 +28,17 @@ Conditions: ``Condition(token_ids=...)`` (B, L) is the whole prompt prefix in th
 vocabulary, up to and including the image header, i.e. it must end with
 ``[<racm3:break>, <h-size>, <w-size>]`` (`image_header_length` = 3 tokens); the hidden state of
 its last token predicts grid token 0. Prompts of one batch must have the same length (no
-padding of conditional prompts is implemented). ``Condition(prompts=...)`` is not supported
-(no tokenizer / chat template is wired in).
+padding of conditional prompts is implemented; `data.corpus.group_by_prompt_length` splits a
+ragged batch). ``Condition(prompts=...)`` needs the tokenizer (`load_lumina_backbone` loads the
+processor from the weights directory) and builds what Lumina-mGPT's ``FlexARInferenceSolver``
+feeds for text-to-image (its ``Conversation`` template; transformers' ``ChameleonProcessor``
+also ends a prompt with the tokenizer's ``sep_token``, the same ``<reserved08706>``):
+
+    [<s>] + tokens("Generate an image of {W}x{H} according to the following prompt:\n{prompt}<reserved08706>")
+    + [<racm3:break>, <h-size>, <w-size>]
+
+with W x H the image size in pixels (16 per grid cell). Lumina-mGPT lets the model generate the
+three header tokens; here they are forced to this backbone's grid.
 
 Classifier-free guidance (Lumina-mGPT: scale 3.0, image top-k 2000). The unconditional twin
 (``uncond="image_header"``, the default) is what Lumina-mGPT's
@@ -59,8 +68,19 @@ from transformers import (
 )
 from transformers.models.chameleon.configuration_chameleon import ChameleonVQVAEConfig
 
-from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
-from backbones.hf_loading import display_name, load_pretrained, require_weights
+from backbones.base import (
+    ARImageBackbone,
+    Condition,
+    DecodeState,
+    ImageGeometry,
+    pooled_prompt_embedding,
+)
+from backbones.hf_loading import (
+    display_name,
+    load_pretrained,
+    load_processor,
+    require_weights,
+)
 
 MODEL_ID = "Alpha-VLLM/Lumina-mGPT-7B-768"
 
@@ -71,11 +91,15 @@ LUMINA_IMAGE_START_TOKEN_ID = 8197  # <racm3:break>
 LUMINA_IMAGE_END_TOKEN_ID = 8196  # <eoss>
 LUMINA_GRID = 48  # 768 px / 16 px per cell
 LUMINA_SIZE_TOKEN_BASE = 8804  # <reserved08800>: size token = 8804 + side_px // 32 (8828 at 768 px)
+LUMINA_PIXELS_PER_CELL = 16
+LUMINA_SEP = "<reserved08706>"  # ends a conversation turn (Lumina-mGPT's Conversation; Chameleon's sep_token)
+LUMINA_T2I_INSTRUCTION = "Generate an image of {width}x{height} according to the following prompt:\n{prompt}"
 
 # Token ids of the tiny random model (its vocabulary is meaningless; only the roles matter).
 _TINY_BOS, _TINY_PAD, _TINY_EOS, _TINY_EOL, _TINY_IMAGE_START, _TINY_IMAGE = 0, 1, 2, 3, 4, 5
 _TINY_SIZE_BASE = 6  # size token for n grid cells: 6 + n (n <= 9)
 _TINY_TEXT_VOCAB = 32  # ids below this are "text"; image tokens live above it, permuted
+_TINY_SEP = 16  # <reserved08706> in the tiny tokenizer; words take ids 17..31
 
 
 class LuminaBackbone(ARImageBackbone):
@@ -93,10 +117,19 @@ class LuminaBackbone(ARImageBackbone):
         pad_token_id: int | None = None,
         image_header_length: int = 3,
         uncond: str = "image_header",
+        processor=None,
+        image_start_token_id: int = LUMINA_IMAGE_START_TOKEN_ID,
+        size_token_ids: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.model = model
         self.name = name
+        self.processor = processor
+        self.image_start_token_id = int(image_start_token_id)
+        # Lumina-mGPT's size tokens count 32-px units (two grid cells); an odd grid has none.
+        if size_token_ids is None and rows % 2 == 0 and cols % 2 == 0:
+            size_token_ids = (LUMINA_SIZE_TOKEN_BASE + rows // 2, LUMINA_SIZE_TOKEN_BASE + cols // 2)
+        self.size_token_ids = None if size_token_ids is None else tuple(int(i) for i in size_token_ids)
         config = model.config
         inner = model.model
         # The final norm lives outside the model: `_forward_flat` returns pre-norm states.
@@ -135,10 +168,30 @@ class LuminaBackbone(ARImageBackbone):
         """(B, L) prompt ids: [BOS, text..., image start, height size, width size]."""
         if condition.token_ids is not None:
             return condition.token_ids.long()
-        raise ValueError(
-            "the Lumina-mGPT adapter has no tokenizer wired in: give Condition(token_ids=...) with the full "
-            "prompt prefix ending with the image-start and the two size tokens"
-        )
+        if condition.prompts is None:
+            raise ValueError("Lumina-mGPT is text-conditional: give Condition(prompts=...) or Condition(token_ids=...) "
+                             "with the full prompt prefix ending with the image-start and the two size tokens")
+        if self.processor is None:
+            raise ValueError(f"{self.name} was built without a processor (tokenizer); give Condition(token_ids=...) "
+                             "or load the backbone with load_lumina_backbone(path) from a weights directory that "
+                             "holds the tokenizer files")
+        if self.size_token_ids is None:
+            raise ValueError(f"{self.name}: a {self.geometry.rows}x{self.geometry.cols} grid has no Lumina-mGPT size "
+                             "tokens (they count pairs of cells); pass size_token_ids=(h_id, w_id)")
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        sep = getattr(tokenizer, "sep_token", None) or LUMINA_SEP
+        header = [self.image_start_token_id, *self.size_token_ids]
+        width = self.geometry.cols * LUMINA_PIXELS_PER_CELL
+        height = self.geometry.rows * LUMINA_PIXELS_PER_CELL
+        rows = []
+        for prompt in condition.prompts:
+            text = LUMINA_T2I_INSTRUCTION.format(width=width, height=height, prompt=prompt) + sep
+            rows.append([bos, *tokenizer(text, add_special_tokens=False)["input_ids"], *header])
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError("prompts of one batch must tokenize to the same length (padding is not implemented); "
+                             "decode them in separate batches (data.corpus.group_by_prompt_length does that)")
+        return torch.tensor(rows, dtype=torch.long)
 
     def unconditional_token_ids(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The CFG twin (same length as `token_ids`) and its attention mask (None: attend to all).
@@ -214,6 +267,10 @@ class LuminaBackbone(ARImageBackbone):
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(self.codebook_to_vocab[tokens])
 
+    def condition_embedding(self, condition: Condition) -> torch.Tensor:
+        """(B, hidden): the prompt's frozen input embeddings, mean-pooled (conditions a MuLo-SD drafter)."""
+        return pooled_prompt_embedding(self, self.model.model.embed_tokens, condition, self.pad_token_id)
+
     def codebook_latents(self) -> torch.Tensor:
         return self.model.model.vqmodel.quantize.embedding.weight
 
@@ -249,7 +306,8 @@ def load_lumina_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16
     model = load_pretrained(ChameleonForConditionalGeneration, directory, dtype, trust_remote_code)
     name = display_name(directory, MODEL_ID)
     backbone = LuminaBackbone(model, name=name, rows=rows, cols=cols, eol_token_id=eol_token_id,
-                              pad_token_id=pad_token_id, uncond=uncond)
+                              pad_token_id=pad_token_id, uncond=uncond,
+                              processor=load_processor(directory, trust_remote_code))
     return backbone.to(device).eval().requires_grad_(False)
 
 
@@ -312,10 +370,30 @@ def tiny_lumina_prompt(text: list[int], rows: int = 3, cols: int = 4) -> list[in
     return [_TINY_BOS, *text, _TINY_IMAGE_START, _TINY_SIZE_BASE + rows, _TINY_SIZE_BASE + cols]
 
 
+def tiny_lumina_tokenizer():
+    """A word-level tokenizer inside the tiny model's text ids (0..31): ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2,
+    ``<racm3:break>`` 4, the turn separator ``<reserved08706>`` 16 (also its ``sep_token``), words 17..31."""
+    from backbones.tiny_tokenizer import tiny_word_tokenizer
+
+    fixed = {"<s>": _TINY_BOS, "<pad>": _TINY_PAD, "</s>": _TINY_EOS, "<reserved08799>": _TINY_EOL,
+             "<racm3:break>": _TINY_IMAGE_START, "<image>": _TINY_IMAGE, LUMINA_SEP: _TINY_SEP}
+    tokenizer = tiny_word_tokenizer(fixed, special=list(fixed), free_ids=list(range(_TINY_SEP + 1, _TINY_TEXT_VOCAB)),
+                                    bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.sep_token = LUMINA_SEP
+    return tokenizer
+
+
 def random_lumina_backbone(seed: int = 0, device: str = "cpu", rows: int = 3, cols: int = 4,
-                           uncond: str = "image_header", **config_overrides) -> LuminaBackbone:
-    """Hydra entry point: a tiny random-weight Lumina (Chameleon) backbone, 3x4 grid with EOL; nothing to load."""
+                           uncond: str = "image_header", tokenizer: bool = False,
+                           **config_overrides) -> LuminaBackbone:
+    """Hydra entry point: a tiny random-weight Lumina (Chameleon) backbone, 3x4 grid with EOL; nothing to load.
+
+    `tokenizer=True` attaches `tiny_lumina_tokenizer`, so ``Condition(prompts=...)`` works; the image
+    header is `tiny_lumina_prompt`'s (size token ``6 + cells``).
+    """
     model = random_lumina_model(seed, **config_overrides)
     backbone = LuminaBackbone(model, name="lumina-tiny-random", rows=rows, cols=cols, eol_token_id=_TINY_EOL,
-                              uncond=uncond)
+                              uncond=uncond, processor=tiny_lumina_tokenizer() if tokenizer else None,
+                              image_start_token_id=_TINY_IMAGE_START,
+                              size_token_ids=(_TINY_SIZE_BASE + rows, _TINY_SIZE_BASE + cols))
     return backbone.to(device).eval().requires_grad_(False)

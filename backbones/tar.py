@@ -40,7 +40,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.base import (
+    ARImageBackbone,
+    Condition,
+    DecodeState,
+    ImageGeometry,
+    pooled_prompt_embedding,
+)
 from backbones.hf_loading import (
     display_name,
     load_pretrained,
@@ -112,7 +118,8 @@ class TarBackbone(ARImageBackbone):
                 rows.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             if len({len(r) for r in rows}) != 1:
                 raise ValueError("prompts of one batch must tokenize to the same length (padding is not "
-                                 "implemented); decode them in separate batches")
+                                 "implemented); decode them in separate batches (data.corpus.group_by_prompt_length "
+                                 "does that)")
             ids = torch.tensor(rows, dtype=torch.long)
         else:
             raise ValueError("Tar is text-conditional: give Condition(prompts=...) or Condition(token_ids=...)")
@@ -162,6 +169,10 @@ class TarBackbone(ARImageBackbone):
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(self.vocab_ids(tokens))
+
+    def condition_embedding(self, condition: Condition) -> torch.Tensor:
+        """(B, hidden): the prompt's frozen input embeddings, mean-pooled (conditions a MuLo-SD drafter)."""
+        return pooled_prompt_embedding(self, self.model.get_input_embeddings(), condition, self.pad_token_id)
 
     def codebook_latents(self) -> torch.Tensor:
         if self.codebook is None:
@@ -235,10 +246,39 @@ def random_tar_model(seed: int = 0, **config_overrides) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(tiny_tar_config(**config_overrides)).eval().requires_grad_(False)
 
 
+# Qwen2's chat template, reduced to what Tar's prompts use (system + user turns, generation prompt).
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tar_tokenizer(image_token_offset: int = TINY_OFFSET, codebook_size: int = TINY_CODEBOOK,
+                       vocab_size: int = TINY_VOCAB):
+    """A word-level tokenizer for the tiny Tar: Qwen2's chat markers, ``<im_start>``, ``<S0..2>`` and ``<I0>..``.
+
+    Pad ``<|endoftext|>`` 0, ``<|im_end|>`` 2 (EOS), ``<|im_start|>`` 3, ``<im_start>`` 4, ``<S0>``..``<S2>``
+    5..7, the image tokens ``<I{k}>`` at ``image_token_offset + k``; words take the remaining ids.
+    """
+    from backbones.tiny_tokenizer import tiny_word_tokenizer
+
+    fixed = {"<|endoftext|>": 0, "<|bos|>": 1, "<|im_end|>": 2, "<|im_start|>": 3, IMAGE_START: 4,
+             **{f"<S{scale}>": 5 + scale for scale in SCALE_TOKENS}}
+    fixed.update({f"<I{k}>": image_token_offset + k for k in range(codebook_size)})
+    free = [i for i in range(vocab_size) if i not in set(fixed.values())]
+    return tiny_word_tokenizer(fixed, special=list(fixed), free_ids=free, pad_token="<|endoftext|>",
+                               eos_token="<|im_end|>", chat_template=TINY_CHAT_TEMPLATE)
+
+
 def random_tar_backbone(seed: int = 0, device: str = "cpu", rows: int = TINY_ROWS, cols: int = TINY_COLS,
                         image_token_offset: int = TINY_OFFSET, codebook_size: int = TINY_CODEBOOK,
-                        **config_overrides) -> TarBackbone:
-    """Hydra entry point: a tiny random-weight Tar (Qwen2) backbone (3x4 grid, image ids 40..71)."""
+                        tokenizer: bool = False, **config_overrides) -> TarBackbone:
+    """Hydra entry point: a tiny random-weight Tar (Qwen2) backbone (3x4 grid, image ids 40..71).
+
+    `tokenizer=True` attaches `tiny_tar_tokenizer`, so ``Condition(prompts=...)`` works.
+    """
     model = random_tar_model(seed, **config_overrides)
-    backbone = TarBackbone(model, image_token_offset, codebook_size, rows=rows, cols=cols, name="tar-tiny-random")
+    words = (tiny_tar_tokenizer(image_token_offset, codebook_size, model.config.vocab_size) if tokenizer else None)
+    backbone = TarBackbone(model, image_token_offset, codebook_size, rows=rows, cols=cols, name="tar-tiny-random",
+                           tokenizer=words)
     return backbone.to(device).eval().requires_grad_(False)

@@ -6,7 +6,8 @@ itself (with CFG, as decoding will run it) for the training conditions. Each
 sample holds
 
 - ``tokens.npy``: the image's grid tokens, int16 (N,);
-- ``cond.json``: the condition (``{"class_id": c}``);
+- ``cond.json``: the condition: ``{"class_id": c}`` for class-conditional backbones
+  (digits, LlamaGen), ``{"prompt": "..."}`` for text-to-image ones;
 - ``hidden.npy`` (offline mode only): the pre-norm hidden states of the
   ``[cond; uncond]`` twins that predicted each token, float16 (2, N, H),
   recorded during generation at no extra cost.
@@ -16,6 +17,15 @@ generated from its own seed, so an interrupted build resumes where it stopped
 and yields the same corpus. ``corpus.json`` records the backbone identity and
 the settings; a corpus made by another backbone or with other settings is not
 reused.
+
+Conditions (`CorpusSpec.conditions`): ``class_ids`` balances the classes
+``0..num_classes-1`` (digits 10, LlamaGen's ImageNet 1000) and shuffles them per
+shard; ``prompts`` cycles through the prompt list of `prompt_source` (see
+data/prompts.py) in order, so image ``i`` has prompt ``i % len(prompts)``.
+Prompts of one generation batch must tokenize to the same length for most
+adapters, so a prompt shard is generated in groups of equal token length
+(`group_by_prompt_length`) and written back in image order; online training
+splits its batches the same way (`grouped_teacher_forced_hidden`).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import hashlib
 import io
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -36,9 +46,12 @@ from tqdm import tqdm
 from backbones.base import ARImageBackbone, Condition
 from data.atomic_io import atomic_path, atomic_write_text
 from data.digits import NUM_CLASSES
+from data.prompts import load_prompts
 
 log = logging.getLogger(__name__)
 MANIFEST = "corpus.json"
+CONDITION_KINDS = ("class_ids", "prompts")
+_CONDITION_FIELDS = ("conditions", "num_classes", "prompt_source", "prompt_column")
 
 
 @dataclass(frozen=True)
@@ -54,17 +67,52 @@ class CorpusSpec:
     top_k: int = 0
     top_p: float = 1.0
     store_hidden: bool = False  # offline mode: keep the hidden states (2 x N x H fp16 per image)
+    conditions: str = "class_ids"  # class_ids (class-conditional backbones) | prompts (text-to-image backbones)
+    num_classes: int = NUM_CLASSES  # class_ids: balanced over 0..num_classes-1 (digits 10, LlamaGen/ImageNet 1000)
+    prompt_source: str = "smoke"  # prompts: a shipped list, a .txt/.jsonl/.json/.csv/.parquet file or a hub id
+    prompt_column: str = "caption"  # prompts: the caption column of tabular sources
 
     def __post_init__(self):
         if self.num_images < 1 or self.shard_size < 1 or self.batch_size < 1:
             raise ValueError(f"corpus num_images, shard_size and batch_size must be >= 1, got {self}")
+        if self.conditions not in CONDITION_KINDS:
+            raise ValueError(f"data.spec.conditions must be one of {CONDITION_KINDS}, got {self.conditions!r}")
+        if self.num_classes < 1:
+            raise ValueError(f"data.spec.num_classes must be >= 1, got {self.num_classes}")
 
     @property
     def num_shards(self) -> int:
         return -(-self.num_images // self.shard_size)
 
+    def prompts(self) -> list[str]:
+        """The prompt list of a ``prompts`` corpus (loaded once per spec)."""
+        if self.conditions != "prompts":
+            raise ValueError(f"a {self.conditions} corpus has no prompts (set data.spec.conditions=prompts)")
+        if "_prompts" not in self.__dict__:  # frozen dataclass: cache beside the fields, outside the identity
+            object.__setattr__(self, "_prompts", load_prompts(self.prompt_source, column=self.prompt_column))
+        return self.__dict__["_prompts"]
+
+    def identity(self) -> dict:
+        """The fields that make the corpus, as stored in its digest.
+
+        The condition fields appear only where they differ from the digits default
+        (10 balanced class ids), so digits corpora keep the digest they had before
+        the fields existed; a prompt corpus also records a hash of the prompt list,
+        so an edited prompt file builds a new corpus.
+        """
+        spec = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _CONDITION_FIELDS}
+        if self.conditions == "class_ids":
+            if self.num_classes != NUM_CLASSES:
+                spec.update(conditions="class_ids", num_classes=self.num_classes)
+        else:
+            listing = "\n".join(self.prompts()).encode()
+            spec.update(conditions="prompts", prompt_source=self.prompt_source, prompt_column=self.prompt_column,
+                        prompts_sha1=hashlib.sha1(listing).hexdigest(), num_prompts=len(self.prompts()))
+        return spec
+
     def digest(self, backbone_identity: dict) -> str:
-        text = json.dumps({"spec": asdict(self), "backbone": backbone_identity}, sort_keys=True)
+        """A short hash of the settings and the backbone: the corpus folder's name and its reuse check."""
+        text = json.dumps({"spec": self.identity(), "backbone": backbone_identity}, sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
@@ -82,8 +130,85 @@ def _class_ids_for_shard(spec: CorpusSpec, shard: int) -> torch.Tensor:
     """Balanced classes, shuffled per shard with the shard's seed."""
     start = shard * spec.shard_size
     count = min(spec.shard_size, spec.num_images - start)
-    ids = (torch.arange(start, start + count) % NUM_CLASSES)
+    ids = (torch.arange(start, start + count) % spec.num_classes)
     return ids[torch.randperm(count, generator=torch.Generator().manual_seed(spec.seed * 100_003 + shard))]
+
+
+def _prompts_for_shard(spec: CorpusSpec, shard: int) -> list[str]:
+    """The shard's prompts: image ``i`` of the corpus gets prompt ``i % len(prompts)`` (the list, cycled)."""
+    prompts = spec.prompts()
+    start = shard * spec.shard_size
+    count = min(spec.shard_size, spec.num_images - start)
+    return [prompts[i % len(prompts)] for i in range(start, start + count)]
+
+
+def _shard_condition(spec: CorpusSpec, shard: int) -> Condition:
+    """All conditions of one shard, in image order."""
+    if spec.conditions == "prompts":
+        return Condition(prompts=_prompts_for_shard(spec, shard))
+    return Condition(class_ids=_class_ids_for_shard(spec, shard))
+
+
+def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
+                           max_batch: int | None = None) -> list[tuple[torch.Tensor, Condition]]:
+    """Split a condition into batches the adapters accept: ``[(indices, condition of those rows)]``.
+
+    Text-to-image adapters feed a batch's prompts without padding, so prompts of
+    one batch must tokenize to the same length. Prompts are tokenized one by one
+    with the backbone's own `prompt_token_ids` and grouped by length (groups in
+    order of first appearance, rows in their original order within a group);
+    each group becomes a ``Condition(token_ids=...)`` holding exactly the tokens
+    the prompts give. Class ids and token ids come back as they are. `max_batch`
+    also cuts every group into batches of at most that many rows.
+    """
+    size = condition.batch_size
+    if condition.prompts is None:
+        groups = [(torch.arange(size), condition)]
+    else:
+        tokenize = getattr(backbone, "prompt_token_ids", None)
+        if tokenize is None:
+            raise ValueError(f"{backbone.name} takes no prompts; it is class-conditional: set "
+                             "data.spec.conditions=class_ids (and data.spec.num_classes)")
+        by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for i, prompt in enumerate(condition.prompts):
+            ids = tokenize(Condition(prompts=[prompt]))[0].cpu()
+            by_length.setdefault(len(ids), []).append((i, ids))
+        groups = [(torch.tensor([i for i, _ in rows]), Condition(token_ids=torch.stack([ids for _, ids in rows])))
+                  for rows in by_length.values()]
+    if max_batch is None:
+        return groups
+    return [(indices[start : start + max_batch], _select(group, slice(start, start + max_batch)))
+            for indices, group in groups for start in range(0, len(indices), max_batch)]
+
+
+def _select(condition: Condition, rows: slice) -> Condition:
+    if condition.class_ids is not None:
+        return Condition(class_ids=condition.class_ids[rows])
+    if condition.token_ids is not None:
+        return Condition(token_ids=condition.token_ids[rows])
+    return Condition(prompts=condition.prompts[rows])
+
+
+def grouped_teacher_forced_hidden(backbone: ARImageBackbone, condition: Condition, tokens: torch.Tensor,
+                                  guided: bool) -> torch.Tensor:
+    """`teacher_forced_hidden` for a batch of any prompts: (twins * B, N, H), [cond; uncond] rows, batch order.
+
+    Prompts of different token lengths run as separate groups (`group_by_prompt_length`)
+    and their states are put back where their images are.
+    """
+    groups = group_by_prompt_length(backbone, condition)
+    if len(groups) == 1:
+        return backbone.teacher_forced_hidden(groups[0][1], tokens, guided)
+    size, out = tokens.shape[0], None
+    for indices, group in groups:
+        indices = indices.to(tokens.device)
+        hidden = backbone.teacher_forced_hidden(group, tokens[indices], guided)  # (twins * b, N, H)
+        twins = hidden.shape[0] // len(indices)
+        if out is None:
+            out = hidden.new_empty(twins * size, *hidden.shape[1:])
+        for twin in range(twins):  # twin t of image j sits at row t * B + j
+            out[twin * size + indices] = hidden[twin * len(indices) : (twin + 1) * len(indices)]
+    return out
 
 
 def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusSpec, rank: int = 0,
@@ -130,23 +255,33 @@ def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpe
     sampling = SamplingConfig(cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
     device = next(backbone.parameters()).device
     for shard in tqdm(shards, desc="corpus shards", unit="shard", disable=None):
-        class_ids = _class_ids_for_shard(spec, shard)
+        condition = _shard_condition(spec, shard)
         generator = torch.Generator(device=device).manual_seed(spec.seed * 100_003 + shard)
+        # Class ids: consecutive batches. Prompts: batches of equal token length, possibly out of image order;
+        # finished samples wait in `ready` until every earlier image is written, so the shard is in image order.
+        batches = group_by_prompt_length(backbone, condition, max_batch=spec.batch_size)
+        ready: dict[int, dict] = {}
+        written = 0
         with atomic_path(directory / shard_name(shard)) as tmp, wds.TarWriter(str(tmp)) as sink:
-            for start in range(0, len(class_ids), spec.batch_size):
-                batch_ids = class_ids[start : start + spec.batch_size]
-                result = generate_ar(backbone, Condition(class_ids=batch_ids.to(device)), sampling, generator,
-                                     record_hidden=spec.store_hidden)
-                for j, class_id in enumerate(batch_ids.tolist()):
+            for indices, batch in batches:
+                if batch.class_ids is not None:
+                    batch = Condition(class_ids=batch.class_ids.to(device))
+                result = generate_ar(backbone, batch, sampling, generator, record_hidden=spec.store_hidden)
+                for j, index in enumerate(indices.tolist()):
+                    cond = ({"class_id": int(condition.class_ids[index])} if condition.class_ids is not None
+                            else {"prompt": condition.prompts[index]})
                     sample = {
-                        "__key__": f"{shard * spec.shard_size + start + j:08d}",
+                        "__key__": f"{shard * spec.shard_size + index:08d}",
                         "tokens.npy": _npy_bytes(result.tokens[j].flatten().cpu().numpy().astype(np.int16)),
-                        "cond.json": json.dumps({"class_id": class_id}).encode(),
+                        "cond.json": json.dumps(cond).encode(),
                     }
                     if spec.store_hidden:
-                        twins = result.hidden[j :: len(batch_ids)]  # (2 or 1, N, H): [cond; uncond] rows of image j
+                        twins = result.hidden[j :: len(indices)]  # (2 or 1, N, H): [cond; uncond] rows of image j
                         sample["hidden.npy"] = _npy_bytes(twins.cpu().numpy().astype(np.float16))
-                    sink.write(sample)
+                    ready[index] = sample
+                while written in ready:
+                    sink.write(ready.pop(written))
+                    written += 1
 
 
 def batch_condition(batch: dict) -> Condition:
@@ -165,10 +300,12 @@ class CorruptShardError(RuntimeError):
 def _decode_sample(sample: dict) -> dict:
     key = sample.get("__key__", "?")
     try:
-        out = {
-            "tokens": torch.from_numpy(np.load(io.BytesIO(sample["tokens.npy"])).astype(np.int64)),
-            "class_id": torch.tensor(json.loads(sample["cond.json"])["class_id"]),
-        }
+        cond = json.loads(sample["cond.json"])
+        out = {"tokens": torch.from_numpy(np.load(io.BytesIO(sample["tokens.npy"])).astype(np.int64))}
+        if "prompt" in cond:  # a str: default collation makes a batch's prompts a list
+            out["prompt"] = str(cond["prompt"])
+        else:
+            out["class_id"] = torch.tensor(cond["class_id"])
         if "hidden.npy" in sample:
             out["hidden"] = torch.from_numpy(np.load(io.BytesIO(sample["hidden.npy"])))
     except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged sample

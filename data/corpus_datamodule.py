@@ -8,12 +8,12 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from backbones.base import ARImageBackbone
+from backbones.base import ARImageBackbone, Condition
 from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
 
 
 class CorpusDataModule(pl.LightningDataModule):
-    """Streams (tokens, class_id[, hidden]) from the corpus; the last `val_shards` shards are held out."""
+    """Streams (tokens, class_id or prompt[, hidden]) from the corpus; the last `val_shards` shards are held out."""
 
     def __init__(self, backbone: ARImageBackbone, corpus_root: str, spec: dict, batch_size: int = 16,
                  val_shards: int = 1, num_workers: int = 0, shuffle_buffer: int = 256, seed: int = 0):
@@ -24,6 +24,7 @@ class CorpusDataModule(pl.LightningDataModule):
                              f"{self.spec.num_shards} shards (raise data.spec.num_images or lower data.spec.shard_size)")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        _check_conditions_fit(self.spec, backbone)
         self.backbone = backbone
         self.directory = Path(corpus_root) / f"{backbone.name}-{self.spec.digest(backbone.identity())}"
         self.batch_size, self.val_shards = batch_size, val_shards
@@ -36,6 +37,8 @@ class CorpusDataModule(pl.LightningDataModule):
         if trainer is None:
             build_corpus(self.backbone, self.directory, self.spec)
         else:
+            # Lightning moves the module to this rank's device only after `setup`: generate there already.
+            self.backbone.to(trainer.strategy.root_device)
             build_corpus(self.backbone, self.directory, self.spec, rank=trainer.global_rank,
                          world_size=trainer.world_size, barrier=trainer.strategy.barrier)
 
@@ -59,6 +62,13 @@ class CorpusDataModule(pl.LightningDataModule):
         return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
                           generator=torch.Generator().manual_seed(self.seed))
 
+    def sample_condition(self, num_images: int) -> Condition:
+        """Conditions for sample grids during training: the corpus's first prompts, or balanced class ids."""
+        if self.spec.conditions == "prompts":
+            prompts = self.spec.prompts()
+            return Condition(prompts=[prompts[i % len(prompts)] for i in range(num_images)])
+        return Condition(class_ids=torch.arange(num_images) % self.spec.num_classes)
+
     def state_dict(self) -> dict:
         """Saved in Lightning checkpoints: how many training batches this rank has consumed."""
         trainer = getattr(self, "trainer", None)
@@ -67,3 +77,18 @@ class CorpusDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self.skip_batches = int(state.get("train_batches_consumed", 0))
+
+
+def _check_conditions_fit(spec: CorpusSpec, backbone: ARImageBackbone) -> None:
+    """Refuse, before any generation, a condition kind or class count the backbone cannot take."""
+    text_to_image = hasattr(backbone, "prompt_token_ids")
+    if spec.conditions == "class_ids" and text_to_image:
+        raise ValueError(f"data.spec.conditions=class_ids but {backbone.name} is text-to-image: set "
+                         "data.spec.conditions=prompts (and data.spec.prompt_source)")
+    if spec.conditions == "prompts" and not text_to_image:
+        raise ValueError(f"data.spec.conditions=prompts but {backbone.name} is class-conditional: set "
+                         "data.spec.conditions=class_ids (and data.spec.num_classes)")
+    classes = getattr(getattr(backbone, "config", None), "num_classes", None)
+    if spec.conditions == "class_ids" and isinstance(classes, int) and spec.num_classes > classes:
+        raise ValueError(f"data.spec.num_classes={spec.num_classes} but {backbone.name} has {classes} classes; "
+                         f"set data.spec.num_classes={classes}")

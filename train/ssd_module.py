@@ -12,6 +12,12 @@ the states and mixed with CFG exactly as decoding mixes them (EAGLE/LANTERN
 weights: 1.0 and 0.1). The horizontal head is unrolled over its own predictions
 (`head.horizontal_unroll` steps, as EAGLE-3's training-time test does) so that it
 can draft a run along a row. Inputs get Gaussian feature noise.
+
+Online targets work for any conditions of the corpus: class ids, or prompts of
+different token lengths (run as groups of equal length and put back in batch
+order, `data.corpus.grouped_teacher_forced_hidden`). ``head.width: null`` makes
+the heads as wide as the backbone's hidden state (EAGLE-like heads for the real
+backbones).
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from backbones.base import ARImageBackbone
-from data.corpus import batch_condition
+from backbones.base import ARImageBackbone, Condition
+from data.corpus import (
+    batch_condition,
+    group_by_prompt_length,
+    grouped_teacher_forced_hidden,
+)
 from heads.export import export_heads
 from heads.ssd import SSDHeadConfig, SSDHeads
 from train.schedules import warmup_cosine
@@ -41,6 +51,9 @@ class SSDDistillation(pl.LightningModule):
             raise ValueError("module.cfg_scale, hidden_loss_weight and kl_weight must be >= 0")
         self.save_hyperparameters(ignore=["backbone", "optimizer"])
         self.backbone = backbone.eval().requires_grad_(False)
+        head = dict(head)
+        if head.get("width") is None:  # null: as wide as the backbone's hidden state (EAGLE-like)
+            head["width"] = backbone.hidden_size
         self.heads = SSDHeads(SSDHeadConfig(hidden_size=backbone.hidden_size, **head))
         self.optimizer_factory = optimizer
         self.cfg_scale, self.guided = cfg_scale, cfg_scale != 1.0
@@ -63,8 +76,8 @@ class SSDDistillation(pl.LightningModule):
             if (hidden.shape[0] == 2 * tokens.shape[0]) != self.guided:
                 raise ValueError("the offline corpus was generated with a different CFG setting than module.cfg_scale")
         else:
-            with torch.no_grad():
-                hidden = self.backbone.teacher_forced_hidden(batch_condition(batch), tokens, self.guided)
+            with torch.no_grad():  # prompts of different token lengths run as separate groups
+                hidden = grouped_teacher_forced_hidden(self.backbone, batch_condition(batch), tokens, self.guided)
         return hidden.reshape(hidden.shape[0], rows, cols, -1)
 
     def distribution_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -133,10 +146,27 @@ class SSDDistillation(pl.LightningModule):
 
         was_training = self.heads.training
         self.heads.eval()
-        condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
-        result = generate_ssd(self.backbone, self.heads, condition, SamplingConfig(cfg_scale=self.cfg_scale, greedy=True))
+        condition = self._sample_condition(num_images)
+        sampling = SamplingConfig(cfg_scale=self.cfg_scale, greedy=True)
+        tokens, passes = None, 0.0
+        for indices, group in group_by_prompt_length(self.backbone, condition):  # equal prompt lengths per batch
+            if group.class_ids is not None:
+                group = Condition(class_ids=group.class_ids.to(self.device))
+            result = generate_ssd(self.backbone, self.heads, group, sampling)
+            if tokens is None:
+                tokens = result.tokens.new_empty(num_images, *result.tokens.shape[1:])
+            tokens[indices.to(tokens.device)] = result.tokens
+            passes += float(result.forward_passes) * len(indices) / num_images
         self.heads.train(was_training)
-        return self.backbone.tokens_to_pixels(result.tokens), {"forward_passes_per_image": float(result.forward_passes)}
+        return self.backbone.tokens_to_pixels(tokens), {"forward_passes_per_image": passes}
+
+    def _sample_condition(self, num_images: int) -> Condition:
+        """The datamodule's sample conditions (prompts or class ids), else class ids 0..9."""
+        trainer = self._trainer  # None outside a fit: `self.trainer` would raise
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if hasattr(datamodule, "sample_condition"):
+            return datamodule.sample_condition(num_images)
+        return Condition(class_ids=torch.arange(num_images) % 10)
 
     # ---- optimisation and export ------------------------------------------------------------
 
