@@ -106,6 +106,30 @@ class DecodeState:
         return 2 * self.batch_size if self.guided else self.batch_size
 
 
+def mean_prompt_embedding(embedding: nn.Module, token_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """(B, L) prompt ids -> (B, D): the mean of their input embeddings, pad tokens left out (fp32)."""
+    with torch.no_grad():
+        embeds = embedding(token_ids).float()  # (B, L, D)
+        keep = torch.ones_like(token_ids, dtype=torch.bool) if pad_token_id is None else token_ids != pad_token_id
+        keep = keep.float()[..., None]
+        return (embeds * keep).sum(1) / keep.sum(1).clamp(min=1)
+
+
+def pooled_prompt_embedding(backbone: "ARImageBackbone", embedding: nn.Module, condition: Condition,
+                            pad_token_id: int | None) -> torch.Tensor:
+    """`condition_embedding` for text-to-image adapters with a `prompt_token_ids` method: (B, D) fp32.
+
+    Prompts are tokenized one at a time, so a batch of prompts of different token
+    lengths pools fine (decoding still needs equal lengths); token ids pool as given.
+    """
+    if condition.prompts is not None:
+        rows = [backbone.prompt_token_ids(Condition(prompts=[prompt])) for prompt in condition.prompts]
+    else:
+        rows = [backbone.prompt_token_ids(condition)]
+    device = embedding.weight.device
+    return torch.cat([mean_prompt_embedding(embedding, ids.to(device), pad_token_id) for ids in rows])
+
+
 class ARImageBackbone(nn.Module, ABC):
     """A frozen autoregressive image generator behind a small, family-agnostic API."""
 
@@ -150,6 +174,16 @@ class ARImageBackbone(nn.Module, ABC):
     def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """(B, channels, height, width) images in [0, 1] -> (B, rows, cols) codebook ids."""
         raise NotImplementedError(f"{type(self).__name__} has no pixel encoder")
+
+    def condition_embedding(self, condition: Condition) -> torch.Tensor:
+        """(B, D) one frozen vector per prompt, which conditions a MuLo-SD drafter (heads/mulo.py).
+
+        Text-to-image families return their input embeddings of the prompt tokens,
+        mean-pooled (`mean_prompt_embedding`); class-conditional families need none
+        (the drafter embeds class ids itself).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no prompt embedding for a MuLo-SD drafter; "
+                                  "condition the drafter on class ids, or implement condition_embedding")
 
     # ---- shared mechanics ------------------------------------------------------------------
 

@@ -96,6 +96,11 @@ class DigitsBackbone(ARImageBackbone):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=llama_config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.levels, bias=False)
 
+    @property
+    def num_classes(self) -> int:
+        """Class-conditional: the 10 digits (the null class, id 10, is the CFG twin)."""
+        return NUM_CLASSES
+
     # ---- training -----------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, class_ids: torch.Tensor) -> torch.Tensor:

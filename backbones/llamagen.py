@@ -291,6 +291,11 @@ class LlamaGenBackbone(ARImageBackbone):
         self._decoder: VQ16Decoder | None = None  # built on first use, kept out of the module tree
         self.vq_architecture: dict = {}  # VQ16Decoder overrides (tests use a tiny one)
 
+    @property
+    def num_classes(self) -> int:
+        """Class-conditional: ids 0..num_classes-1 (the null class, id num_classes, is the CFG twin)."""
+        return self.config.num_classes
+
     def forward(self, tokens: torch.Tensor, class_ids: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, class_ids)
 

@@ -5,8 +5,9 @@ LANTERN's relaxed acceptance (Jang et al., 2025). For each low-resolution row j:
 
 1. The drafter (its own KV cache, the same CFG and sampling settings) generates
    the ``cols / r`` tokens of low-res row j.
-2. The training-free upsampler (heads/mulo.py: tokens -> pixels -> x r ->
-   re-tokenise) turns it into ``r`` backbone rows: a block of ``r * cols`` drafts.
+2. The training-free upsampler (heads/mulo.py, ``head.resample``: tokens ->
+   pixels -> x r -> re-tokenise, or tokens -> codebook latents -> x r -> nearest
+   entry) turns it into ``r`` backbone rows: a block of ``r * cols`` drafts.
 3. One backbone pass over the block (after any committed tokens the cache does
    not hold yet) gives the target distribution ``p`` at every block position.
    The draft is a deterministic function of the drafter's sample, so it is
@@ -46,9 +47,15 @@ import torch.nn.functional as F
 from scipy import ndimage
 
 from backbones.base import ARImageBackbone, Condition
+from decode.relaxed import latent_neighbours, pooled_neighbour_mass
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig, sample_from, token_distribution
-from heads.mulo import MuLoDrafter, downsample_to_drafter, upsample_to_backbone
+from heads.mulo import (
+    MuLoDrafter,
+    downsample_to_drafter,
+    resampling_latents,
+    upsample_to_backbone,
+)
 
 
 @dataclass(frozen=True)
@@ -59,33 +66,13 @@ class MuLoDecodeConfig:
     k: int = 4  # codebook neighbours pooled by relaxed acceptance
     delta: float = 0.2  # pooled probability budget; 0 = standard acceptance
     radius: int = 1  # rho: rejected tokens grow by this many cells before islands are resampled
-    upsample_mode: str = "nearest"  # pixel-space interpolation of the upsampler
+    upsample_mode: str = "nearest"  # interpolation of the upsampler (in pixel or latent space, per the drafter)
 
     def __post_init__(self):
         if self.mode not in ("relaxed", "exact"):
             raise ValueError(f"MuLo mode must be 'relaxed' or 'exact', got {self.mode!r}")
         if self.k < 0 or self.delta < 0 or self.radius < 0:
             raise ValueError(f"MuLo k, delta and radius must be >= 0, got {self.k}, {self.delta}, {self.radius}")
-
-
-def latent_neighbours(latents: torch.Tensor, k: int) -> torch.Tensor:
-    """(V, D) codebook latents -> (V, k) indices of each entry's k nearest other entries, nearest first."""
-    distances = torch.cdist(latents.float(), latents.float())  # (V, V)
-    distances.fill_diagonal_(float("inf"))
-    k = min(k, latents.shape[0] - 1)
-    return distances.topk(k, dim=-1, largest=False).indices
-
-
-def pooled_neighbour_mass(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float) -> torch.Tensor:
-    """LANTERN's c_m: the largest prefix sum of p over x's nearest neighbours that stays <= delta.
-
-    p (..., V), tokens (...) -> (...).
-    """
-    if neighbours.shape[-1] == 0 or delta <= 0:
-        return torch.zeros(tokens.shape, dtype=p.dtype, device=p.device)
-    neighbour_mass = p.gather(-1, neighbours[tokens])  # (..., k), nearest first
-    prefix = neighbour_mass.cumsum(-1)
-    return torch.where(prefix <= delta, prefix, torch.zeros_like(prefix)).amax(-1)
 
 
 def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float, greedy: bool,
@@ -122,15 +109,22 @@ def generate_mulo(
     generator: torch.Generator | None = None,
     config: MuLoDecodeConfig = MuLoDecodeConfig(),
 ) -> GenerationResult:
-    """Generate one image per condition with MuLo-SD block drafting and verification (see the module docstring)."""
+    """Generate one image per condition with MuLo-SD block drafting and verification (see the module docstring).
+
+    The drafter is bound to `backbone` (refused when built for another one); it
+    resamples between the grids the way its config says (``resample``).
+    """
     rows, cols, scale = backbone.geometry.rows, backbone.geometry.cols, drafter.config.scale
-    small: ARImageBackbone = drafter.model
+    small: ARImageBackbone = drafter.bind(backbone)
+    resample = drafter.config.resample
+    latents = resampling_latents(backbone) if resample == "latents" else None  # (V, D), once per call
     small_cols = small.geometry.cols
     batch, block = condition.batch_size, scale * cols
     state, h_first = backbone.prefill(condition, sampling.guided)
     small_state, small_hidden = small.prefill(condition, sampling.guided)
     device = h_first.device
-    neighbours = latent_neighbours(backbone.codebook_latents(), config.k)
+    # Only relaxed acceptance pools over codebook neighbours; exact mode needs no codebook.
+    neighbours = latent_neighbours(backbone.codebook_latents(), config.k) if config.mode == "relaxed" else None
     tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
     passes, drafted, accepted = 1, 0, 0
     cache_valid = 0  # grid tokens whose cache entries are final for every image
@@ -146,7 +140,8 @@ def generate_mulo(
                 small_hidden = small.step(small_state, low_tokens[-1])
         low_row_tokens = torch.cat(low_tokens, dim=1)  # (B, small_cols)
         # 2. Upsample to r backbone rows.
-        draft = upsample_to_backbone(low_row_tokens[:, None], small, backbone, scale, config.upsample_mode).flatten(1)
+        draft = upsample_to_backbone(low_row_tokens[:, None], small, backbone, scale, config.upsample_mode,
+                                     resample, latents).flatten(1)
         block_tokens = draft.clone()  # (B, r * cols)
         committed = torch.zeros(batch, dtype=torch.long, device=device)  # exact mode: final prefix per image
         block_states = h_first.new_zeros(h_first.shape[0], block, h_first.shape[-1])  # (G, r*cols, H) predicts each position
@@ -202,7 +197,8 @@ def generate_mulo(
 
         tokens[:, block_start : block_start + block] = block_tokens
         # 4. The drafter continues from the accepted image, not from its own draft.
-        accepted_low = downsample_to_drafter(block_tokens.view(batch, scale, cols), backbone, small, scale)
+        accepted_low = downsample_to_drafter(block_tokens.view(batch, scale, cols), backbone, small, scale,
+                                             resample, latents)
         small.rollback(small_state, low_row * small_cols)
         if low_row + 1 < rows // scale:
             small_hidden = small.step(small_state, accepted_low.flatten(1))

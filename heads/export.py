@@ -108,7 +108,8 @@ def check_compatible(config: dict, backbone_identity: dict, where: str) -> None:
 def load_heads(directory: str | Path, backbone=None, device: str | torch.device = "cpu", kind: str | None = None) -> nn.Module:
     """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it.
 
-    `kind` ("ssd", "mulo") refuses an export of another kind.
+    `kind` ("ssd", "mulo") refuses an export of another kind. A MuLo drafter records its
+    backbone's grid, r, codebook and conditioning (``head`` in heads.json) and is bound to `backbone`.
     """
     directory = Path(directory)
     config = read_heads_config(directory)
@@ -128,4 +129,11 @@ def load_heads(directory: str | Path, backbone=None, device: str | torch.device 
         for name in handle.keys():
             state[name] = handle.get_tensor(name)
     heads.load_state_dict(state, strict=True)
+    if backbone is not None and isinstance(heads, MuLoDrafter):
+        # The drafter's own record (grid, r, codebook, conditioning) must fit too; bind also attaches the backbone
+        # whose prompt embeddings condition a prompt drafter.
+        try:
+            heads.bind(backbone)
+        except ValueError as error:
+            raise HeadsMismatchError(f"{directory}: {error}") from error
     return heads.to(device).eval().requires_grad_(False)
