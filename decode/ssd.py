@@ -52,6 +52,7 @@ from typing import Literal
 import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
+from decode.relaxed import latent_neighbours, pooled_neighbour_mass
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig, sample_from, token_distribution
 from heads.ssd import SSDHeads
@@ -72,6 +73,11 @@ class SSDDecodeConfig:
     # A pass costs compute per token fed; where that is not free (CPU, large batches) a window near the mean
     # accepted run saves the compute spent verifying positions a rejection further left invalidates anyway.
     window: int = 0
+    # LANTERN relaxation of the acceptance test (decode/relaxed.py): a draft also counts the target mass of its
+    # relax_k nearest codebook neighbours, up to relax_delta. 0 keeps the exact test (and exactness); > 0 trades
+    # exactness for acceptance. Sampled decoding only (greedy verification compares argmaxes).
+    relax_k: int = 0
+    relax_delta: float = 0.0
 
     def __post_init__(self):
         if self.mode not in ("exact", "autocorrect"):
@@ -81,6 +87,8 @@ class SSDDecodeConfig:
         if self.rounds < 0 or self.horizontal_steps < 0 or self.window < 0:
             raise ValueError(f"SSD rounds, horizontal_steps and window must be >= 0, got {self.rounds}, "
                              f"{self.horizontal_steps}, {self.window}")
+        if self.relax_k < 0 or self.relax_delta < 0:
+            raise ValueError(f"SSD relax_k and relax_delta must be >= 0, got {self.relax_k}, {self.relax_delta}")
         if self.window and self.mode == "autocorrect" and self.correction != "prefix":
             raise ValueError("decode.ssd.window works with mode exact or correction prefix; set it to 0 for "
                              f"correction {self.correction!r}")
@@ -160,6 +168,8 @@ def generate_ssd(
     first_exact = torch.ones(batch, dtype=torch.bool, device=device)  # h_first came from the committed context
     hidden_above = tokens_above = None
     hidden_size_zeros = h_first  # shape and dtype of the (G, 1, H) states
+    relaxed = config.relax_k > 0 and config.relax_delta > 0 and not sampling.greedy
+    neighbours = latent_neighbours(backbone.codebook_latents().to(device), config.relax_k) if relaxed else None
 
     for row in range(rows):
         row_start = row * cols
@@ -205,6 +215,8 @@ def generate_ssd(
             cache_valid = row_start
             p = drafter.distribution(row_hidden)  # (B, C, V)
             px = p.gather(-1, row_tokens[..., None])[..., 0]
+            if neighbours is not None:
+                px = px + pooled_neighbour_mass(p, row_tokens, neighbours, config.relax_delta)
             qx = row_q.gather(-1, row_tokens[..., None])[..., 0]
             uniform = torch.rand(px.shape, generator=generator, device=device)
             passed = uniform * qx < px  # accept with probability min(1, p/q)
