@@ -45,3 +45,26 @@ def test_committed_classifier_is_a_competent_judge():
     with torch.no_grad():
         accuracy = (classifier(images)[0].argmax(-1) == labels).float().mean()
     assert accuracy >= 0.95
+
+
+def test_ssd_method_names_set_mode_rounds_window_and_relaxation(tmp_path, classifier_cache):
+    import hydra
+    from conftest import random_ssd_heads
+
+    from decode.cli import build_methods
+    from heads.export import export_heads
+
+    cfg = compose_config(["backbone=digits_tiny", f"decode.heads={tmp_path / 'heads'}", f"decode.out={tmp_path}",
+                          f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
+    backbone = hydra.utils.instantiate(cfg.backbone)
+    export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
+    names = ["ssd_exact", "ssd_exact_w8", "ssd_autocorrect_r2_prefix_w4_k2_d0.4", "ssd_autocorrect_r0_target"]
+    cfg.decode.methods = names
+    configs = {name: method.generate.keywords["config"] for name, method in build_methods(cfg, backbone).items()
+               if name != "ar"}
+    assert (configs["ssd_exact"].mode, configs["ssd_exact"].window, configs["ssd_exact"].relax_delta) == ("exact", 0, 0.0)
+    assert configs["ssd_exact_w8"].window == 8
+    relaxed = configs["ssd_autocorrect_r2_prefix_w4_k2_d0.4"]
+    assert (relaxed.mode, relaxed.rounds, relaxed.correction, relaxed.window, relaxed.relax_k, relaxed.relax_delta) == (
+        "autocorrect", 2, "prefix", 4, 2, 0.4)
+    assert (configs["ssd_autocorrect_r0_target"].rounds, configs["ssd_autocorrect_r0_target"].correction) == (0, "target")
