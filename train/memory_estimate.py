@@ -236,6 +236,16 @@ def _tar() -> nn.Module:
     return Qwen2ForCausalLM(config)
 
 
+def _tar_1_5b() -> nn.Module:
+    # huggingface.co/csuhan/Tar-1.5B: Qwen2.5-1.5B-Instruct (28 layers x 1536, 12 heads, 2 KV heads, SwiGLU 8,960,
+    # tied embeddings) with the same 65,536 image codes (vocabulary size assumed as for Tar-7B).
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151665 + 65536, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
 def _llamagen(model: str) -> Callable[[], nn.Module]:
     # github.com/FoundationVision/LlamaGen gpt.py GPT_models (as backbones/llamagen.GPT_SIZES): GPT-XL 36 x 1280,
     # 20 heads; GPT-XXL 48 x 1536, 24 heads; VQ-16 codebook 16,384; 384 px -> 24 x 24; one class token.
@@ -271,6 +281,8 @@ EXPERIMENTS = [
                batch_per_gpu=16, source="FoundationVision/LlamaGen c2i_XXL_384.pt"),
     Experiment("tar-7b-s0", _tar, lambda m: _hf_shape(_text_config(m)), 27, 27, False, 128, 65536,
                batch_per_gpu=8, source="csuhan/Tar-7B"),
+    Experiment("tar-1.5b-s0", _tar_1_5b, lambda m: _hf_shape(_text_config(m)), 27, 27, False, 128, 65536,
+               batch_per_gpu=8, source="csuhan/Tar-1.5B"),
 ]
 
 
