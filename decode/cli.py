@@ -58,7 +58,7 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     ``decode.ssd.rounds``) and ``ssd_autocorrect_r<K>`` (K rounds), with optional suffixes
     ``_target|_residual|_prefix`` (autocorrect's correction), ``_w<W>`` (verification window) and
     ``_k<K>_d<delta>`` (LANTERN relaxation; not lossless); ``mulo``, ``mulo_exact`` and
-    ``mulo_k<K>_d<delta>_r<rho>``.
+    ``mulo_k<K>_d<delta>_r<rho>[_rounds<R>]``.
     """
     names = list(dict.fromkeys(cfg.decode.methods))
     if "ar" not in names:
@@ -83,19 +83,20 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
                                   relax_k=int(relax_k) if relax_k else cfg.decode.ssd.relax_k,
                                   relax_delta=float(relax_delta) if relax_delta else cfg.decode.ssd.relax_delta)
             methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
-        elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?", name):
+        elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?(?:_rounds(\d+))?", name):
             drafter = drafter or load_heads(cfg.decode.mulo.drafter, backbone, device=next(backbone.parameters()).device,
                                             kind="mulo")
-            exact, k, delta, radius = match.groups()
+            exact, k, delta, radius, rounds = match.groups()
             mulo = MuLoDecodeConfig(mode="exact" if exact else "relaxed",
                                     k=int(k) if k else cfg.decode.mulo.k,
                                     delta=float(delta) if delta else cfg.decode.mulo.delta,
                                     radius=int(radius) if radius else cfg.decode.mulo.radius,
-                                    upsample_mode=cfg.decode.mulo.upsample_mode)
+                                    upsample_mode=cfg.decode.mulo.upsample_mode,
+                                    rounds=int(rounds) if rounds else cfg.decode.mulo.rounds)
             methods[name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo))
         else:
             raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
-                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>")
+                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>[_rounds<R>]")
     return methods
 
 

@@ -25,7 +25,10 @@ LANTERN's relaxed acceptance (Jang et al., 2025). For each low-resolution row j:
      kept. Approximation: an island token is drawn given the drafts to its
      left (some of them rejected), not given the final tokens as strict raster
      order would; the next pass re-feeds the changed tokens, so the cache and
-     later positions see the final image.
+     later positions see the final image. With ``rounds = R`` the block is
+     re-verified up to R more times (relaxed test of every position against
+     the updated context, islands resampled again), so islands drawn from a
+     stale context get re-checked: at most ``R + 1`` passes per block.
    - ``exact`` (method ``mulo_exact``): prefix acceptance, left to right, accept
      with probability ``p(x)``; at the first rejection draw from the residual
      (``p`` without ``x``, renormalised) and re-verify the rest of the block in
@@ -67,12 +70,14 @@ class MuLoDecodeConfig:
     delta: float = 0.2  # pooled probability budget; 0 = standard acceptance
     radius: int = 1  # rho: rejected tokens grow by this many cells before islands are resampled
     upsample_mode: str = "nearest"  # interpolation of the upsampler (in pixel or latent space, per the drafter)
+    rounds: int = 0  # relaxed: re-verification passes per block after resampling its islands (a block costs <= rounds + 1)
 
     def __post_init__(self):
         if self.mode not in ("relaxed", "exact"):
             raise ValueError(f"MuLo mode must be 'relaxed' or 'exact', got {self.mode!r}")
-        if self.k < 0 or self.delta < 0 or self.radius < 0:
-            raise ValueError(f"MuLo k, delta and radius must be >= 0, got {self.k}, {self.delta}, {self.radius}")
+        if self.k < 0 or self.delta < 0 or self.radius < 0 or self.rounds < 0:
+            raise ValueError(f"MuLo k, delta, radius and rounds must be >= 0, got {self.k}, {self.delta}, "
+                             f"{self.radius}, {self.rounds}")
 
 
 def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float, greedy: bool,
@@ -148,7 +153,9 @@ def generate_mulo(
         block_states[:, 0] = h_first[:, 0]
 
         # 3. Verify.
+        verify_passes = 0
         while True:
+            verify_passes += 1
             backbone.rollback(state, cache_valid)
             feed = torch.cat([tokens[:, cache_valid:block_start], block_tokens[:, max(0, cache_valid - block_start):]], dim=1)
             out = backbone.step(state, feed)  # out[:, j] predicts grid position cache_valid + j + 1
@@ -183,13 +190,16 @@ def generate_mulo(
                     break
             else:
                 passed = relaxed_accept(block_p, block_tokens, neighbours, config.delta, sampling.greedy, uniform)
-                drafted += batch * block
-                accepted += int(passed.sum())
+                if verify_passes == 1:  # later rounds re-test the same block, they draft nothing new
+                    drafted += batch * block
+                    accepted += int(passed.sum())
                 grown = islands(~passed.view(batch, scale, cols), config.radius).flatten(1)
                 if grown.any():
                     block_tokens[grown] = sample_from(block_p[grown], generator)  # all islands at once
                     first_changed = int(torch.where(grown.any(0))[0].min())
                     cache_valid = block_start + first_changed  # the next pass re-feeds from there
+                    if verify_passes <= config.rounds:
+                        continue  # re-verify the block with its resampled islands in context
                 else:
                     cache_valid = block_start + block
                 h_first = out[:, -1:]

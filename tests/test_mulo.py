@@ -115,6 +115,21 @@ def test_relaxed_mode_costs_one_pass_per_drafted_block(backbone12):
     assert result.tokens.shape == (2, 12, 12)
 
 
+def test_relaxed_rounds_re_verify_blocks_with_resampled_islands(backbone12):
+    condition, sampling = Condition(class_ids=torch.tensor([1, 2])), SamplingConfig(cfg_scale=2.0)
+    passes = []
+    for rounds in (0, 1, 3):
+        result = generate_mulo(backbone12, random_drafter(), condition, sampling, torch.Generator().manual_seed(0),
+                               MuLoDecodeConfig(rounds=rounds))
+        assert result.forward_passes <= 1 + (12 // 3) * (rounds + 1)
+        passes.append(result.forward_passes)
+    assert passes[0] < passes[1] <= passes[2]  # a random drafter is rejected: the extra rounds are used
+    # A block whose drafts all pass is not re-verified: pooling every other entry up to delta = 1 accepts all.
+    everything = generate_mulo(backbone12, random_drafter(), condition, sampling, torch.Generator().manual_seed(0),
+                               MuLoDecodeConfig(rounds=3, k=backbone12.codebook_size - 1, delta=1.0))
+    assert everything.forward_passes == 1 + 12 // 3
+
+
 # ---- export --------------------------------------------------------------------------------------
 
 def test_drafter_export_round_trip_and_refusal(backbone12, tmp_path):
