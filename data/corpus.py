@@ -157,9 +157,9 @@ def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
     one batch must tokenize to the same length. Prompts are tokenized one by one
     with the backbone's own `prompt_token_ids` and grouped by length (groups in
     order of first appearance, rows in their original order within a group);
-    each group becomes a ``Condition(token_ids=...)`` holding exactly the tokens
-    the prompts give. Class ids and token ids come back as they are. `max_batch`
-    also cuts every group into batches of at most that many rows.
+    each group is a ``Condition(prompts=...)`` of its prompts. Class ids and token
+    ids come back as they are. `max_batch` also cuts every group into batches of
+    at most that many rows.
     """
     size = condition.batch_size
     if condition.prompts is None:
@@ -169,11 +169,10 @@ def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
         if tokenize is None:
             raise ValueError(f"{backbone.name} takes no prompts; it is class-conditional: set "
                              "data.spec.conditions=class_ids (and data.spec.num_classes)")
-        by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(condition.prompts):
-            ids = tokenize(Condition(prompts=[prompt]))[0].cpu()
-            by_length.setdefault(len(ids), []).append((i, ids))
-        groups = [(torch.tensor([i for i, _ in rows]), Condition(token_ids=torch.stack([ids for _, ids in rows])))
+            by_length.setdefault(tokenize(Condition(prompts=[prompt])).shape[1], []).append(i)
+        groups = [(torch.tensor(rows), Condition(prompts=[condition.prompts[i] for i in rows]))
                   for rows in by_length.values()]
     if max_batch is None:
         return groups

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from backbones.base import ARImageBackbone, Condition
 from data.atomic_io import atomic_write_text
+from data.corpus import group_by_prompt_length
 from data.prompts import balanced_class_ids, load_prompts
 from decode.ar import generate_ar
 from decode.images import save_image_grid, save_tokens
@@ -131,21 +132,8 @@ class Conditions:
         (in order of first appearance), because the text-to-image adapters do not pad:
         every prompt of a batch must have the same length.
         """
-        if self.class_ids is not None:
-            return [(torch.arange(start, min(start + batch_size, len(self))),
-                     Condition(class_ids=self.class_ids[start : start + batch_size]))
-                    for start in range(0, len(self), batch_size)]
-        groups: dict[int, list[int]] = {}
-        for index, prompt in enumerate(self.prompts):
-            length = (backbone.prompt_token_ids(Condition(prompts=[prompt])).shape[1]
-                      if hasattr(backbone, "prompt_token_ids") else 0)
-            groups.setdefault(length, []).append(index)
-        out = []
-        for indices in groups.values():
-            for start in range(0, len(indices), batch_size):
-                chunk = indices[start : start + batch_size]
-                out.append((torch.tensor(chunk), Condition(prompts=[self.prompts[i] for i in chunk])))
-        return out
+        whole = Condition(class_ids=self.class_ids) if self.class_ids is not None else Condition(prompts=self.prompts)
+        return group_by_prompt_length(backbone, whole, max_batch=batch_size)
 
     def subset(self, indices: torch.Tensor) -> Condition:
         """The Condition of the images `indices`."""

@@ -105,7 +105,7 @@ class MuLoDistillation(pl.LightningModule):
             raise RuntimeError("no prompts seen yet to sample with: sample grids start after the first training batch")
         seen = self._sample_condition
         if seen.prompts is not None:  # one batch must tokenize to one length: the first group of equal lengths
-            seen = group_by_prompt_length(self.backbone, Condition(prompts=seen.prompts[:num_images]))[0][1]
+            return group_by_prompt_length(self.backbone, Condition(prompts=seen.prompts[:num_images]))[0][1]
         if seen.token_ids is not None:
             return Condition(token_ids=seen.token_ids[:num_images])
         return Condition(class_ids=seen.class_ids[:num_images])
