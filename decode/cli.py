@@ -326,7 +326,7 @@ def run_decode(cfg: DictConfig) -> dict:
               f"{figures['seconds_per_image']:.3f} s/image  speedup {figures['speedup_vs_ar']:.2f}x  "
               f"{_quality_line(figures['quality'])}")
     atomic_write_text(out / "metrics.json", json.dumps(report, indent=2) + "\n")
-    if len(methods) > 1 and isinstance(quality, DigitsQuality):
+    if len(methods) > 1:
         plot_speed_quality(report, out / "speed_quality.png")
     written = ", ".join(f"{n}.png" for n in methods) if pixels_available else "no PNGs"
     print(f"[decode] wrote {out / 'metrics.json'} and {written}")

@@ -10,8 +10,20 @@ from data.atomic_io import atomic_path
 log = logging.getLogger(__name__)
 
 
+# Quality metrics a decode report may carry, how to label them, in the order they are drawn.
+METRIC_LABELS = {
+    "classifier_accuracy": "classifier accuracy (higher is better)",
+    "frechet_distance": "Fréchet distance (lower is better)",
+    "fid": "FID (lower is better)",
+    "clip_score": "CLIP score (higher is better)",
+}
+
+
 def plot_speed_quality(report: dict, path: str | Path) -> bool:
-    """Scatter speedup vs classifier accuracy and vs Fréchet distance, one point per method; False without matplotlib."""
+    """Scatter speedup vs each quality metric the report holds, one point per method.
+
+    False (and nothing written) without matplotlib or without any measured quality.
+    """
     try:
         import matplotlib
 
@@ -22,9 +34,12 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
         print("[decode] no speed-quality plot: pip install matplotlib (or the project's [plots] extra)")
         return False
     methods = report["methods"]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, (metric, label) in zip(axes, [("classifier_accuracy", "classifier accuracy (higher is better)"),
-                                            ("frechet_distance", "Fréchet distance (lower is better)")]):
+    measured = [m for m in METRIC_LABELS if all(m in (f.get("quality") or {}) for f in methods.values())]
+    if not measured:
+        print("[decode] no speed-quality plot: no quality metric was measured for every method")
+        return False
+    figure, axes = plt.subplots(1, len(measured), figsize=(5.5 * len(measured), 4.2), squeeze=False)
+    for axis, metric in zip(axes[0], measured):
         for name, figures in methods.items():
             x, y = figures["speedup_vs_ar"], figures["quality"][metric]
             marker = "s" if name.startswith("ar") else ("o" if name.startswith("ssd") else "^")
@@ -35,7 +50,7 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
         axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
         axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_xlabel("wall-clock speedup vs KV-cached AR (log)")
-        axis.set_ylabel(label)
+        axis.set_ylabel(METRIC_LABELS[metric])
         axis.grid(alpha=0.3)
     figure.suptitle(f"batch {report['batch_size']}, {report['num_images']} images, "
                     f"CFG {report['sampling']['cfg_scale']}, {report['device']}", fontsize=9)
