@@ -12,7 +12,10 @@ by row. For row ``r``:
    horizontally end to end). Draft logits are the backbone's frozen final norm
    and head applied to the predicted states, guided by CFG exactly as the
    baseline's; draft tokens are drawn from them with the baseline's sampling
-   settings.
+   settings. Heads with a grid head (``head.grid``) draft rows below the first
+   along the row instead, each position from the state above it and the state
+   drafted to its left, and re-draft the rest of the row the same way from each
+   correction (``horizontal_steps`` then only matters for row 0).
 3. One backbone pass over the row (all images of the batch together, the cache
    rolled back to the row's start) gives the target distribution ``p`` at every
    position. Then, per mode:
@@ -147,6 +150,27 @@ class _RowDrafter:
             row_q[images[inside], target[inside]] = q[inside]
 
 
+    def along(self, row_tokens, row_q, images, positions, hidden, tokens, hidden_above, tokens_above) -> None:
+        """Re-draft every position after `positions` to the row's end with the grid head, in place.
+
+        Each position is drafted from the state and token above it and the state
+        and token to its left, the left ones drafted the step before (exact at
+        `positions`: `hidden` (rows of `images`, H) predicts the token there, `tokens`).
+        """
+        cols = row_tokens.shape[1]
+        twins = len(hidden) // len(images)
+        for step in range(cols - 1 - int(positions.min())):
+            target = positions + 1 + step
+            inside = target < cols
+            column = target.clamp(max=cols - 1)
+            above = hidden_above[self.twin(images), column.repeat(twins)]
+            hidden = self.heads.grid(above, self.embed(tokens_above[images, column]), hidden, self.embed(tokens))
+            q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
+            tokens = self.sample(q)
+            row_tokens[images[inside], target[inside]] = tokens[inside]
+            row_q[images[inside], target[inside]] = q[inside]
+
+
 @torch.inference_mode()
 def generate_ssd(
     backbone: ARImageBackbone,
@@ -182,7 +206,11 @@ def generate_ssd(
             row_q[:, 0] = drafter.distribution(h_first)[:, 0]
             row_tokens[:, 0] = drafter.sample(row_q[:, 0])
         steps = cols - 1 if row == 0 else config.horizontal_steps
-        if h_first is not None:
+        grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
+        if h_first is not None and grid:
+            drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
+                          row_tokens[:, 0], hidden_above, tokens_above)
+        elif h_first is not None:
             drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
                                row_tokens[:, 0], steps)
         committed = first_exact.long()  # (B,) positions of this row already final
@@ -243,9 +271,14 @@ def generate_ssd(
                 committed = torch.where(first_rejected < extent, first_rejected + 1, committed.clamp(min=extent))
                 if row == rows - 1 and bool((committed >= cols).all()):
                     break  # the image is complete; no next row needs the state after the correction
-                drafter.horizontal(row_tokens, row_q, rejected_images, position,
-                                   row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)],
-                                   row_tokens[rejected_images, position], cols - 1 if row == 0 else config.horizontal_steps)
+                exact_state = row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)]
+                if grid:  # the rest of the row again, each position now seeing the correction to its left
+                    drafter.along(row_tokens, row_q, rejected_images, position, exact_state,
+                                  row_tokens[rejected_images, position], hidden_above, tokens_above)
+                else:
+                    drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
+                                       row_tokens[rejected_images, position],
+                                       cols - 1 if row == 0 else config.horizontal_steps)
                 if config.mode == "autocorrect" and verify_passes > config.rounds:
                     break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
             else:

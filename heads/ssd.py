@@ -9,7 +9,13 @@ the hidden state at an offset:
 - horizontal: ``H[i + 1]``, the state that predicts the right neighbour;
 - vertical: ``H[i + cols]``, the state that predicts the token directly below
   (for families with an end-of-line token the flat stride is ``cols + 1``; the
-  backbone interface hides that, see backbones/base.py).
+  backbone interface hides that, see backbones/base.py);
+- grid (optional, ``head.grid``): ``H[i]`` from both the state above
+  (``H[i - cols]``, ``x_{i - cols}``) and the state to the left (``H[i - 1]``,
+  ``x_{i - 1}``). The vertical head drafts a row in parallel and cannot see the
+  tokens drawn to its left; the grid head drafts along the row, each position
+  from its drafted (or, after a correction, exact) left neighbour and the row
+  above.
 
 Draft logits are the backbone's own frozen final norm and image head applied to
 the prediction, so a head predicts a continuous latent, not token ids (token-id
@@ -37,6 +43,7 @@ class SSDHeadConfig:
     # The row above is known entirely when a row is drafted, so its context (diagonal strokes) is free.
     row_attention_layers: int = 0
     row_attention_heads: int = 4
+    grid: bool = False  # a third head drafting each position from the state above and the state to its left
 
     def __post_init__(self):
         for key in ("hidden_size", "width", "depth", "horizontal_unroll", "row_attention_heads"):
@@ -79,6 +86,32 @@ class SSDLatentPredictor(nn.Module):
         return hidden + self.mlp(fused)
 
 
+class SSDGridPredictor(nn.Module):
+    """Grid head: (above state, above token, left state, left token), each (..., H) -> predicted state (..., H).
+
+    An MLP on the four RMS-normalised inputs, residual on the left state (the
+    stronger single predictor), initialised to copy it.
+    """
+
+    def __init__(self, config: SSDHeadConfig):
+        super().__init__()
+        size = config.hidden_size
+        self.norms = nn.ModuleList(nn.RMSNorm(size) for _ in range(4))
+        layers: list[nn.Module] = [nn.Linear(4 * size, config.width), nn.SiLU()]
+        for _ in range(config.depth - 1):
+            layers += [nn.Linear(config.width, config.width), nn.SiLU()]
+        layers.append(nn.Linear(config.width, size))
+        self.mlp = nn.Sequential(*layers)
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def forward(self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor,
+                left_embedding: torch.Tensor) -> torch.Tensor:
+        inputs = (above, above_embedding, left, left_embedding)
+        fused = torch.cat([norm(x) for norm, x in zip(self.norms, inputs)], dim=-1)
+        return left + self.mlp(fused)
+
+
 class SSDRowAttentionPredictor(nn.Module):
     """Vertical head that sees the whole row above: (rows..., cols, H) x 2 -> predicted states below.
 
@@ -117,3 +150,4 @@ class SSDHeads(nn.Module):
         self.config = config
         self.horizontal = SSDLatentPredictor(config)
         self.vertical = SSDRowAttentionPredictor(config) if config.row_attention_layers else SSDLatentPredictor(config)
+        self.grid = SSDGridPredictor(config) if config.grid else None

@@ -45,12 +45,12 @@ def _seed():
     torch.manual_seed(0)
 
 
-def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5):
+def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5, grid: bool = False):
     """Untrained SSD heads with random (not zero) output layers: losslessness must not depend on head quality."""
     from heads.ssd import SSDHeadConfig, SSDHeads
 
     torch.manual_seed(seed)
-    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=1))
+    heads = SSDHeads(SSDHeadConfig(hidden_size=hidden_size, width=16, depth=1, grid=grid))
     for parameter in heads.parameters():
         torch.nn.init.normal_(parameter, std=std)
     return heads.eval()

@@ -72,11 +72,13 @@ def test_residual_distribution():
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("horizontal_steps", [0, 1, 3])
 @pytest.mark.parametrize("window", [0, 2])
-def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps, window):
+@pytest.mark.parametrize("grid", [False, True], ids=["vertical-drafts", "grid-drafts"])
+def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps, window,
+                                                                 grid):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
-    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=horizontal_steps)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=horizontal_steps, grid=grid)
     speculative = generate_ssd(tiny_backbone, heads, condition, sampling,
                                config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps, window=window))
     assert torch.equal(speculative.tokens, baseline.tokens)
@@ -125,8 +127,8 @@ def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
                          ids=["cfg", "temperature-topk"])
-@pytest.mark.parametrize("window", [0, 1], ids=["whole-row", "window-1"])
-def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window):
+@pytest.mark.parametrize("window,grid", [(0, False), (1, False), (0, True)], ids=["whole-row", "window-1", "grid"])
+def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid):
     """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
     from scipy.stats import chisquare
 
@@ -137,7 +139,8 @@ def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window):
             parameter.mul_(3.0)
     truth = exact_image_distribution(backbone, class_id=4, sampling=sampling)
     draws = 40_000
-    result = generate_ssd(backbone, random_ssd_heads(16, seed=1), Condition(class_ids=torch.full((draws,), 4)), sampling,
+    result = generate_ssd(backbone, random_ssd_heads(16, seed=1, grid=grid), Condition(class_ids=torch.full((draws,), 4)),
+                          sampling,
                           torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", window=window))
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     observed = {}

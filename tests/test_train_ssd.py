@@ -109,3 +109,40 @@ def test_a_bad_config_value_fails_at_start_naming_the_key(tmp_path):
     with pytest.raises(InstantiationException, match="head.width must be >= 1"):
         run_training(cfg)
     assert not (tmp_path / "corpora").exists()  # refused before any corpus or training work
+
+
+def test_grid_head_targets_line_up_with_the_state_they_predict(tiny_backbone):
+    """A grid head that returned the true state would have zero loss: the unrolled inputs and targets align."""
+    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, grid=True, horizontal_unroll=2),
+                             optimizer=torch.optim.AdamW, cfg_scale=1.0)
+    rows, cols, size = 4, 5, tiny_backbone.hidden_size
+    # States that encode their own grid position: the target of (r, c) is recognisable.
+    hidden = torch.arange(rows * cols, dtype=torch.float32).view(1, rows, cols, 1).expand(1, rows, cols, size)
+    tokens = torch.zeros(1, rows * cols, dtype=torch.long)
+    seen = []
+
+    def grid(above, above_embedding, left, left_embedding):
+        seen.append((above[..., 0].clone(), left[..., 0].clone()))
+        return above + cols  # the state below the one above: exactly the target
+
+    module.heads.grid.forward = grid
+    predictions = {name: (predicted, target) for name, predicted, target in module.predictions(hidden, tokens, False)}
+    for step in (1, 2):
+        predicted, target = predictions[f"grid_{step}"]
+        assert torch.equal(predicted, target)  # (r, c) predicted for target (r, c), r >= 1, c >= step
+    above, left = seen[0]
+    assert torch.equal(above, hidden[:, :-1, 1:, 0]) and torch.equal(left, hidden[:, 1:, :-1, 0])
+    _, left_step_2 = seen[1]
+    assert torch.equal(left_step_2, hidden[:, 1:, 1:-1, 0])  # step 2's left input is step 1's prediction
+
+
+def test_grid_heads_train_and_log_their_acceptance(tiny_backbone, tmp_path):
+    spec = CorpusSpec(num_images=4, shard_size=4, batch_size=4, store_hidden=True, cfg_scale=3.0)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    batch = torch.utils.data.default_collate(list(corpus_dataset(tmp_path, [shard_name(0)])))
+    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, grid=True), optimizer=torch.optim.AdamW,
+                             cfg_scale=3.0)
+    loss, logs = module.losses(batch, noise=True)
+    assert torch.isfinite(loss) and 0 < float(logs["acceptance_grid"]) <= 1
+    loss.backward()
+    assert module.heads.grid.mlp[-1].weight.grad.abs().sum() > 0

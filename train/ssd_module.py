@@ -103,6 +103,14 @@ class SSDDistillation(pl.LightningModule):
             # step k predicts column j + k from (its own step k - 1 prediction at j + k - 1, token j + k - 1)
             predicted = self.heads.horizontal(predicted[:, :, :-1], embedded[:, :, step - 1 : -1])
             out.append((f"horizontal_{step}", predicted, hidden[:, :, step:]))
+        if self.heads.grid is not None:
+            # Rows below the first, columns right of the first: step k feeds its own step k - 1 predictions as
+            # the left state (step 1 the teacher's), the teacher's state above, and the true tokens.
+            predicted = inputs[:, 1:]
+            for step in range(1, min(self.heads.config.horizontal_unroll, cols - 1) + 1):
+                predicted = self.heads.grid(inputs[:, :-1, step:], embedded[:, :-1, step:], predicted[:, :, :-1],
+                                            embedded[:, 1:, step - 1 : -1])
+                out.append((f"grid_{step}", predicted, hidden[:, 1:, step:]))
         return out
 
     def losses(self, batch: dict, noise: bool) -> tuple[torch.Tensor, dict]:
@@ -114,7 +122,7 @@ class SSDDistillation(pl.LightningModule):
             kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
             total = total + self.hidden_loss_weight * hidden_loss + self.kl_weight * kl
             logs[f"hidden_loss_{name}"], logs[f"kl_{name}"] = hidden_loss.detach(), kl.detach()
-            if name in ("vertical", "horizontal_1"):
+            if name in ("vertical", "horizontal_1", "grid_1"):
                 p, q = p_log.exp(), q_log.exp()
                 offset = name.split("_")[0]
                 logs[f"acceptance_{offset}"] = torch.minimum(p, q).sum(-1).mean().detach()  # expected sum_x min(p, q)
