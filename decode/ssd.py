@@ -150,8 +150,9 @@ class _RowDrafter:
             row_q[images[inside], target[inside]] = q[inside]
 
 
-    def along(self, row_tokens, row_q, images, positions, hidden, tokens, hidden_above, tokens_above) -> None:
-        """Re-draft every position after `positions` to the row's end with the grid head, in place.
+    def along(self, row_tokens, row_q, images, positions, hidden, tokens, hidden_above, tokens_above,
+              limit: int = 0) -> None:
+        """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
 
         Each position is drafted from the state and token above it and the state
         and token to its left, the left ones drafted the step before (exact at
@@ -159,7 +160,8 @@ class _RowDrafter:
         """
         cols = row_tokens.shape[1]
         twins = len(hidden) // len(images)
-        for step in range(cols - 1 - int(positions.min())):
+        steps = cols - 1 - int(positions.min())
+        for step in range(min(steps, limit) if limit else steps):
             target = positions + 1 + step
             inside = target < cols
             column = target.clamp(max=cols - 1)
@@ -209,7 +211,7 @@ def generate_ssd(
         grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
         if h_first is not None and grid:
             drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                          row_tokens[:, 0], hidden_above, tokens_above)
+                          row_tokens[:, 0], hidden_above, tokens_above, config.window)  # the rest: vertical drafts
         elif h_first is not None:
             drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
                                row_tokens[:, 0], steps)
@@ -273,8 +275,10 @@ def generate_ssd(
                     break  # the image is complete; no next row needs the state after the correction
                 exact_state = row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)]
                 if grid:  # the rest of the row again, each position now seeing the correction to its left
+                    # With a window the next pass verifies at most `window` of them; further drafts can wait
+                    # for the correction after it.
                     drafter.along(row_tokens, row_q, rejected_images, position, exact_state,
-                                  row_tokens[rejected_images, position], hidden_above, tokens_above)
+                                  row_tokens[rejected_images, position], hidden_above, tokens_above, config.window)
                 else:
                     drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
                                        row_tokens[rejected_images, position],
