@@ -1,0 +1,22 @@
+"""The README's Python example runs as printed (heads: a random export in place of a trained one)."""
+
+import re
+
+from conftest import PROJECT_ROOT, random_ssd_heads
+
+from backbones.digits import DigitsBackbone
+from heads.export import export_heads
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    example = re.search(r"## Use exported heads from your own script\n\n```python\n(.*?)```", readme, re.S).group(1)
+    assert 'load_heads("checkpoints/ssd_digits", backbone)' in example
+    backbone = DigitsBackbone.from_pretrained(PROJECT_ROOT / "checkpoints" / "digits-backbone")
+    export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "checkpoints" / "ssd_digits", backbone.identity())
+    (tmp_path / "checkpoints" / "digits-backbone").symlink_to(PROJECT_ROOT / "checkpoints" / "digits-backbone")
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["images"].shape == (2, 1, 24, 24)
+    assert "backbone passes instead of 576" in capsys.readouterr().out
