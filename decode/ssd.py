@@ -137,18 +137,8 @@ class _RowDrafter:
 
         `hidden` (rows of `images`, H) predicts the token at `positions`, which is `tokens`.
         """
-        cols = row_tokens.shape[1]
-        for step in range(steps):
-            target = positions + 1 + step
-            inside = target < cols
-            if not inside.any():
-                return
-            hidden = self.heads.horizontal(hidden, self.embed(tokens))  # (rows, H)
-            q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
-            tokens = self.sample(q)
-            row_tokens[images[inside], target[inside]] = tokens[inside]
-            row_q[images[inside], target[inside]] = q[inside]
-
+        self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps,
+                    lambda left, left_tokens, column: self.heads.horizontal(left, self.embed(left_tokens)))
 
     def along(self, row_tokens, row_q, images, positions, hidden, tokens, hidden_above, tokens_above,
               limit: int = 0) -> None:
@@ -158,15 +148,28 @@ class _RowDrafter:
         and token to its left, the left ones drafted the step before (exact at
         `positions`: `hidden` (rows of `images`, H) predicts the token there, `tokens`).
         """
-        cols = row_tokens.shape[1]
         twins = len(hidden) // len(images)
-        steps = cols - 1 - int(positions.min())
-        for step in range(min(steps, limit) if limit else steps):
+        steps = row_tokens.shape[1] - 1 - int(positions.min())
+
+        def predict(left, left_tokens, column):
+            above = hidden_above[self.twin(images), column.repeat(twins)]
+            return self.heads.grid(above, self.embed(tokens_above[images, column]), left, self.embed(left_tokens))
+
+        self._chain(row_tokens, row_q, images, positions, hidden, tokens, min(steps, limit) if limit else steps,
+                    predict)
+
+    def _chain(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, predict) -> None:
+        """Draft `steps` positions one after another to the right of `positions`, each from the one before.
+
+        `predict(left state, left tokens, column)` gives the states at `column` (clamped to the row).
+        """
+        cols = row_tokens.shape[1]
+        for step in range(steps):
             target = positions + 1 + step
             inside = target < cols
-            column = target.clamp(max=cols - 1)
-            above = hidden_above[self.twin(images), column.repeat(twins)]
-            hidden = self.heads.grid(above, self.embed(tokens_above[images, column]), hidden, self.embed(tokens))
+            if not inside.any():
+                return
+            hidden = predict(hidden, tokens, target.clamp(max=cols - 1))  # (rows, H)
             q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
             tokens = self.sample(q)
             row_tokens[images[inside], target[inside]] = tokens[inside]
@@ -193,7 +196,7 @@ def generate_ssd(
     cache_valid = 0  # grid tokens whose cached keys/values belong to the committed tokens of every image
     first_exact = torch.ones(batch, dtype=torch.bool, device=device)  # h_first came from the committed context
     hidden_above = tokens_above = None
-    hidden_size_zeros = h_first  # shape and dtype of the (G, 1, H) states
+    state_template = h_first  # (G, 1, H): shape and dtype of the states, kept while h_first may be None
     relaxed = config.relax_k > 0 and config.relax_delta > 0 and not sampling.greedy
     neighbours = latent_neighbours(backbone.codebook_latents().to(device), config.relax_k) if relaxed else None
 
@@ -216,7 +219,7 @@ def generate_ssd(
             drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
                                row_tokens[:, 0], steps)
         committed = first_exact.long()  # (B,) positions of this row already final
-        row_hidden = hidden_size_zeros.new_zeros(hidden_size_zeros.shape[0], cols, hidden_size_zeros.shape[-1])
+        row_hidden = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1])
         if h_first is not None:
             row_hidden[:, 0] = h_first[:, 0]  # row_hidden[:, i] predicts position i
         row_cached = 0  # positions of this row whose cached keys/values are final for every image
@@ -228,9 +231,8 @@ def generate_ssd(
             # would cost compute and change nothing.
             start = cache_valid if cache_valid < row_start else row_start + row_cached
             backbone.rollback(state, start)
-            windowed = config.window and (config.mode == "exact" or config.correction == "prefix")
             feed_end = row_start + cols  # grid positions [start, feed_end) are fed
-            if windowed:
+            if config.window:  # exact or prefix only (SSDDecodeConfig refuses the rest)
                 feed_end = min(feed_end, row_start + int(committed.min()) + config.window)
             feed = torch.cat([tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]],
                              dim=1)
