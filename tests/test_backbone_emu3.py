@@ -13,9 +13,7 @@ from conftest import assert_greedy_exact_ssd_equals_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.emu3 import (
-    MODEL_ID,
     Emu3Backbone,
-    load_emu3_backbone,
     random_emu3_backbone,
     random_emu3_model,
 )
@@ -238,24 +236,6 @@ def test_conditions_are_checked(backbone):
         backbone.prefill(Condition(prompts=["a red cube"]), guided=False)
     with pytest.raises(ValueError, match="image token"):  # no image header at the end
         backbone.prefill(Condition(token_ids=PROMPTS[:, :-1]), guided=False)
-
-
-def test_missing_weights_name_the_model_and_how_to_get_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match="BAAI/Emu3-Gen-hf") as error:
-        load_emu3_backbone(str(tmp_path / "nowhere"))
-    assert "huggingface-cli download BAAI/Emu3-Gen-hf --local-dir" in str(error.value)
-    assert MODEL_ID == "BAAI/Emu3-Gen-hf"
-
-
-def test_hydra_configs_build_the_tiny_backbone():
-    from conftest import CONF_DIR
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / "emu3_tiny.yaml"))
-    assert isinstance(tiny, Emu3Backbone) and tiny.geometry == ImageGeometry(3, 4, True)
-    real = OmegaConf.load(CONF_DIR / "backbone" / "emu3.yaml")
-    assert real._target_ == "backbones.emu3.load_emu3_backbone" and OmegaConf.is_missing(real, "path")
 
 
 @torch.no_grad()

@@ -10,9 +10,6 @@ from conftest import assert_greedy_exact_ssd_equals_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.janus import (
-    MODEL_ID,
-    JanusBackbone,
-    load_janus_backbone,
     random_janus_backbone,
     random_janus_model,
 )
@@ -159,21 +156,3 @@ def test_condition_needs_exactly_one_kind_and_unequal_prompts_are_refused(backbo
         backbone.prefill(Condition(class_ids=torch.tensor([0])), guided=False)
     with pytest.raises(ValueError, match="processor"):  # the tiny model has no tokenizer
         backbone.prefill(Condition(prompts=["a red cube"]), guided=False)
-
-
-def test_missing_weights_name_the_model_and_how_to_get_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match="deepseek-community/Janus-Pro-7B") as error:
-        load_janus_backbone(str(tmp_path / "nowhere"))
-    assert "huggingface-cli download deepseek-community/Janus-Pro-7B --local-dir" in str(error.value)
-    assert MODEL_ID == "deepseek-community/Janus-Pro-7B"
-
-
-def test_hydra_configs_build_the_tiny_backbone():
-    from conftest import CONF_DIR
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / "janus_tiny.yaml"))
-    assert isinstance(tiny, JanusBackbone) and tiny.geometry.num_tokens == 16
-    real = OmegaConf.load(CONF_DIR / "backbone" / "janus.yaml")
-    assert real._target_ == "backbones.janus.load_janus_backbone" and OmegaConf.is_missing(real, "path")

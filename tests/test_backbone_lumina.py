@@ -14,7 +14,6 @@ from conftest import assert_greedy_exact_ssd_equals_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.lumina import (
-    MODEL_ID,
     LuminaBackbone,
     load_lumina_backbone,
     random_lumina_backbone,
@@ -266,22 +265,16 @@ def test_eol_token_must_not_be_an_image_token(reference):
         LuminaBackbone(reference, rows=ROWS, cols=COLS, eol_token_id=image_id)
 
 
-def test_missing_weights_name_the_model_and_the_needed_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="Alpha-VLLM/Lumina-mGPT-7B-768") as error:
+def test_missing_weights_say_which_format_is_needed(tmp_path):
+    # The shared checks (model id, download command) are in test_backbone_loading.py.
+    with pytest.raises(FileNotFoundError) as error:
         load_lumina_backbone(str(tmp_path / "nowhere"))
-    message = str(error.value)
-    assert "huggingface-cli download Alpha-VLLM/Lumina-mGPT-7B-768" in message
-    assert "transformers-format" in message and "Chameleon" in message
-    assert MODEL_ID == "Alpha-VLLM/Lumina-mGPT-7B-768"
+    assert "transformers-format" in str(error.value) and "Chameleon" in str(error.value)
 
 
-def test_hydra_configs_build_the_tiny_backbone():
+def test_real_config_has_lumina_mgpt_768_geometry():
     from conftest import CONF_DIR
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / "lumina_tiny.yaml"))
-    assert isinstance(tiny, LuminaBackbone) and tiny.geometry == ImageGeometry(ROWS, COLS, end_of_line=True)
     real = OmegaConf.load(CONF_DIR / "backbone" / "lumina.yaml")
-    assert real._target_ == "backbones.lumina.load_lumina_backbone" and OmegaConf.is_missing(real, "path")
     assert real.eol_token_id == 8803 and real.rows == real.cols == 48 and real.uncond == "image_header"

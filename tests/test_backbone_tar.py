@@ -10,9 +10,7 @@ from conftest import assert_greedy_exact_ssd_equals_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.tar import (
-    MODEL_ID,
     TarBackbone,
-    load_tar_backbone,
     random_tar_backbone,
     random_tar_model,
 )
@@ -165,20 +163,3 @@ def test_pixels_and_codebook_without_the_detokenizer_say_what_to_install(backbon
     assert "TA-Tok" in str(error.value) and "detokenizer" in str(error.value)
     with pytest.raises(NotImplementedError, match="TA-Tok"):
         backbone.codebook_latents()
-
-
-def test_missing_weights_name_the_model_and_how_to_get_them(tmp_path):
-    with pytest.raises(FileNotFoundError, match=MODEL_ID) as error:
-        load_tar_backbone(str(tmp_path / "nowhere"))
-    assert f"huggingface-cli download {MODEL_ID} --local-dir" in str(error.value)
-
-
-def test_hydra_configs():
-    from conftest import CONF_DIR
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / "tar_tiny.yaml"))
-    assert isinstance(tiny, TarBackbone) and tiny.geometry == ImageGeometry(3, 4, False)
-    real = OmegaConf.load(CONF_DIR / "backbone" / "tar.yaml")
-    assert real._target_ == "backbones.tar.load_tar_backbone" and OmegaConf.is_missing(real, "path")
