@@ -136,6 +136,21 @@ def test_grid_head_targets_line_up_with_the_state_they_predict(tiny_backbone):
     assert torch.equal(left_step_2, hidden[:, 1:, 1:-1, 0])  # step 2's left input is step 1's prediction
 
 
+def test_tv_weight_adds_the_expected_rejection_rate_of_every_prediction(tiny_backbone, tmp_path):
+    spec = CorpusSpec(num_images=4, shard_size=4, batch_size=4, store_hidden=True, cfg_scale=3.0)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    batch = torch.utils.data.default_collate(list(corpus_dataset(tmp_path, [shard_name(0)])))
+    totals = {}
+    for tv_weight in (0.0, 2.0):
+        torch.manual_seed(0)
+        module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, horizontal_unroll=1),
+                                 optimizer=torch.optim.AdamW, cfg_scale=3.0, tv_weight=tv_weight)
+        totals[tv_weight], logs = module.losses(batch, noise=False)
+    # One vertical and one horizontal prediction: the TV term is 2 * ((1 - acc_v) + (1 - acc_h)).
+    expected = 2.0 * (2 - logs["acceptance_vertical"] - logs["acceptance_horizontal"])
+    torch.testing.assert_close(totals[2.0] - totals[0.0], expected)
+
+
 def test_grid_heads_train_and_log_their_acceptance(tiny_backbone, tmp_path):
     spec = CorpusSpec(num_images=4, shard_size=4, batch_size=4, store_hidden=True, cfg_scale=3.0)
     build_corpus(tiny_backbone, tmp_path, spec)

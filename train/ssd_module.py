@@ -6,10 +6,13 @@ horizontal and vertical heads of heads/ssd.py. Loss per predicted state:
 
     SmoothL1(predicted, target) * hidden_loss_weight
     + KL(p_target || q_predicted) * kl_weight
+    + TV(p_target, q_predicted) * tv_weight
 
 where both distributions are the backbone's frozen final norm + head applied to
 the states and mixed with CFG exactly as decoding mixes them (EAGLE/LANTERN
-weights: 1.0 and 0.1). The horizontal head is unrolled over its own predictions
+weights: 1.0 and 0.1; the total variation 1 - sum_x min(p, q) is one minus the
+expected acceptance itself, which DistillSpec (Zhou et al., 2023) uses as a
+distillation objective; off by default). The horizontal head is unrolled over its own predictions
 (`head.horizontal_unroll` steps, as EAGLE-3's training-time test does) so that it
 can draft a run along a row. Inputs get Gaussian feature noise.
 
@@ -45,10 +48,10 @@ class SSDDistillation(pl.LightningModule):
 
     def __init__(self, backbone: ARImageBackbone, head: dict, optimizer: Callable[..., torch.optim.Optimizer],
                  cfg_scale: float = 3.0, hidden_loss_weight: float = 1.0, kl_weight: float = 0.1,
-                 warmup_steps: int = 50):
+                 warmup_steps: int = 50, tv_weight: float = 0.0):
         super().__init__()
-        if cfg_scale < 0 or hidden_loss_weight < 0 or kl_weight < 0:
-            raise ValueError("module.cfg_scale, hidden_loss_weight and kl_weight must be >= 0")
+        if cfg_scale < 0 or hidden_loss_weight < 0 or kl_weight < 0 or tv_weight < 0:
+            raise ValueError("module.cfg_scale, hidden_loss_weight, kl_weight and tv_weight must be >= 0")
         self.save_hyperparameters(ignore=["backbone", "optimizer"])
         self.backbone = backbone.eval().requires_grad_(False)
         head = dict(head)
@@ -58,6 +61,7 @@ class SSDDistillation(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.cfg_scale, self.guided = cfg_scale, cfg_scale != 1.0
         self.hidden_loss_weight, self.kl_weight, self.warmup_steps = hidden_loss_weight, kl_weight, warmup_steps
+        self.tv_weight = tv_weight
         self.strict_loading = False  # checkpoints carry the heads only (see on_save_checkpoint)
 
     def train(self, mode: bool = True):
@@ -122,10 +126,13 @@ class SSDDistillation(pl.LightningModule):
             kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
             total = total + self.hidden_loss_weight * hidden_loss + self.kl_weight * kl
             logs[f"hidden_loss_{name}"], logs[f"kl_{name}"] = hidden_loss.detach(), kl.detach()
+            p, q = p_log.exp(), q_log.exp()
+            acceptance = torch.minimum(p, q).sum(-1).mean()  # expected sum_x min(p, q) = 1 - TV(p, q)
+            if self.tv_weight:
+                total = total + self.tv_weight * (1 - acceptance)
             if name in ("vertical", "horizontal_1", "grid_1"):
-                p, q = p_log.exp(), q_log.exp()
                 offset = name.split("_")[0]
-                logs[f"acceptance_{offset}"] = torch.minimum(p, q).sum(-1).mean().detach()  # expected sum_x min(p, q)
+                logs[f"acceptance_{offset}"] = acceptance.detach()
                 logs[f"top1_{offset}"] = (p.argmax(-1) == q.argmax(-1)).float().mean().detach()
         logs["acceptance"] = (logs["acceptance_vertical"] + logs["acceptance_horizontal"]) / 2
         return total, logs
