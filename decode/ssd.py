@@ -283,8 +283,7 @@ def generate_ssd(
                                   row_tokens[rejected_images, position], hidden_above, tokens_above, config.window)
                 else:
                     drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
-                                       row_tokens[rejected_images, position],
-                                       cols - 1 if row == 0 else config.horizontal_steps)
+                                       row_tokens[rejected_images, position], steps)
                 if config.mode == "autocorrect" and verify_passes > config.rounds:
                     break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
             else:

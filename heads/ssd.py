@@ -60,6 +60,22 @@ class SSDHeadConfig:
         return asdict(self)
 
 
+def residual_mlp(in_features: int, config: SSDHeadConfig) -> nn.Sequential:
+    """The heads' MLP: in_features -> width (depth SiLU layers) -> hidden size, output layer zero.
+
+    The zero output layer makes a head whose forward adds the MLP to an input state
+    start as "copy that state": a sensible draft before any training.
+    """
+    layers: list[nn.Module] = [nn.Linear(in_features, config.width), nn.SiLU()]
+    for _ in range(config.depth - 1):
+        layers += [nn.Linear(config.width, config.width), nn.SiLU()]
+    layers.append(nn.Linear(config.width, config.hidden_size))
+    mlp = nn.Sequential(*layers)
+    nn.init.zeros_(mlp[-1].weight)
+    nn.init.zeros_(mlp[-1].bias)
+    return mlp
+
+
 class SSDLatentPredictor(nn.Module):
     """One offset's head: (hidden (..., H), token embedding (..., H)) -> predicted hidden (..., H).
 
@@ -72,14 +88,7 @@ class SSDLatentPredictor(nn.Module):
         size = config.hidden_size
         self.hidden_norm = nn.RMSNorm(size)
         self.embed_norm = nn.RMSNorm(size)
-        layers: list[nn.Module] = [nn.Linear(2 * size, config.width), nn.SiLU()]
-        for _ in range(config.depth - 1):
-            layers += [nn.Linear(config.width, config.width), nn.SiLU()]
-        layers.append(nn.Linear(config.width, size))
-        self.mlp = nn.Sequential(*layers)
-        # Start as "copy the input state": a sensible draft before any training.
-        nn.init.zeros_(self.mlp[-1].weight)
-        nn.init.zeros_(self.mlp[-1].bias)
+        self.mlp = residual_mlp(2 * size, config)
 
     def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         fused = torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embedding)], dim=-1)  # (..., 2H)
@@ -97,13 +106,7 @@ class SSDGridPredictor(nn.Module):
         super().__init__()
         size = config.hidden_size
         self.norms = nn.ModuleList(nn.RMSNorm(size) for _ in range(4))
-        layers: list[nn.Module] = [nn.Linear(4 * size, config.width), nn.SiLU()]
-        for _ in range(config.depth - 1):
-            layers += [nn.Linear(config.width, config.width), nn.SiLU()]
-        layers.append(nn.Linear(config.width, size))
-        self.mlp = nn.Sequential(*layers)
-        nn.init.zeros_(self.mlp[-1].weight)
-        nn.init.zeros_(self.mlp[-1].bias)
+        self.mlp = residual_mlp(4 * size, config)
 
     def forward(self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor,
                 left_embedding: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ where both distributions are the backbone's frozen final norm + head applied to
 the states and mixed with CFG exactly as decoding mixes them (EAGLE/LANTERN
 weights: 1.0 and 0.1; the total variation 1 - sum_x min(p, q) is one minus the
 expected acceptance itself, which DistillSpec (Zhou et al., 2023) uses as a
-distillation objective; off by default). The horizontal head is unrolled over its own predictions
-(`head.horizontal_unroll` steps, as EAGLE-3's training-time test does) so that it
-can draft a run along a row. Inputs get Gaussian feature noise.
+distillation objective; off by default). The horizontal head is unrolled over
+its own predictions (`head.horizontal_unroll` steps, as EAGLE-3's training-time
+test does) so that it can draft a run along a row. Inputs get Gaussian feature
+noise.
 
 Online targets work for any conditions of the corpus: class ids, or prompts of
 different token lengths (run as groups of equal length and put back in batch
@@ -126,11 +127,14 @@ class SSDDistillation(pl.LightningModule):
             kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
             total = total + self.hidden_loss_weight * hidden_loss + self.kl_weight * kl
             logs[f"hidden_loss_{name}"], logs[f"kl_{name}"] = hidden_loss.detach(), kl.detach()
+            logged = name in ("vertical", "horizontal_1", "grid_1")
+            if not (logged or self.tv_weight):
+                continue  # the distributions' overlap is only needed for the TV term and the logs
             p, q = p_log.exp(), q_log.exp()
             acceptance = torch.minimum(p, q).sum(-1).mean()  # expected sum_x min(p, q) = 1 - TV(p, q)
             if self.tv_weight:
                 total = total + self.tv_weight * (1 - acceptance)
-            if name in ("vertical", "horizontal_1", "grid_1"):
+            if logged:
                 offset = name.split("_")[0]
                 logs[f"acceptance_{offset}"] = acceptance.detach()
                 logs[f"top1_{offset}"] = (p.argmax(-1) == q.argmax(-1)).float().mean().detach()
