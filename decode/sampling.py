@@ -60,8 +60,22 @@ def token_distribution(scores: torch.Tensor, sampling: SamplingConfig) -> torch.
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per distribution: probs (..., V) -> tokens (...)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    uniform = torch.rand(probs.shape[:-1], generator=generator, device=probs.device, dtype=probs.dtype)
+    return sample_with(probs, uniform)
+
+
+def sample_with(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs (..., V) and uniforms in [0, 1) (...) -> tokens (...).
+
+    The token is the first whose cumulative mass exceeds ``uniform * total``, so a
+    zero-probability token is never drawn and the mass need not be normalised.
+    Drawing the uniforms up front lets a sequential drafter sample a whole chain
+    with one call to the generator, and this is a few element-wise kernels where
+    torch.multinomial is one slow call per draw on CPU.
+    """
+    cumulative = probs.cumsum(-1)
+    threshold = uniform[..., None] * cumulative[..., -1:]
+    return (cumulative <= threshold).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def sample_tokens(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:

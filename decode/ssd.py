@@ -57,7 +57,7 @@ import torch
 from backbones.base import ARImageBackbone, Condition, DecodeState
 from decode.relaxed import latent_neighbours, pooled_neighbour_mass
 from decode.result import GenerationResult
-from decode.sampling import SamplingConfig, sample_from, token_distribution
+from decode.sampling import SamplingConfig, sample_from, sample_with, token_distribution
 from heads.ssd import SSDHeads
 
 
@@ -76,6 +76,10 @@ class SSDDecodeConfig:
     # A pass costs compute per token fed; where that is not free (CPU, large batches) a window near the mean
     # accepted run saves the compute spent verifying positions a rejection further left invalidates anyway.
     window: int = 0
+    # grid heads: positions re-drafted along the row with the grid head after a token the backbone gave (the
+    # row's first token, each correction); the positions after them keep their earlier drafts (0: to the row's
+    # end). In autocorrect the last correction of a row always re-drafts to the end: that tail is kept unverified.
+    grid_steps: int = 0
     # LANTERN relaxation of the acceptance test (decode/relaxed.py): a draft also counts the target mass of its
     # relax_k nearest codebook neighbours, up to relax_delta. 0 keeps the exact test (and exactness); > 0 trades
     # exactness for acceptance. Sampled decoding only (greedy verification compares argmaxes).
@@ -87,9 +91,9 @@ class SSDDecodeConfig:
             raise ValueError(f"SSD mode must be 'exact' or 'autocorrect', got {self.mode!r}")
         if self.correction not in ("target", "residual", "prefix"):
             raise ValueError(f"SSD correction must be 'target', 'residual' or 'prefix', got {self.correction!r}")
-        if self.rounds < 0 or self.horizontal_steps < 0 or self.window < 0:
-            raise ValueError(f"SSD rounds, horizontal_steps and window must be >= 0, got {self.rounds}, "
-                             f"{self.horizontal_steps}, {self.window}")
+        if min(self.rounds, self.horizontal_steps, self.window, self.grid_steps) < 0:
+            raise ValueError(f"SSD rounds, horizontal_steps, window and grid_steps must be >= 0, got {self.rounds}, "
+                             f"{self.horizontal_steps}, {self.window}, {self.grid_steps}")
         if self.relax_k < 0 or self.relax_delta < 0:
             raise ValueError(f"SSD relax_k and relax_delta must be >= 0, got {self.relax_k}, {self.relax_delta}")
         if self.window and self.mode == "autocorrect" and self.correction != "prefix":
@@ -140,40 +144,49 @@ class _RowDrafter:
         self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps,
                     lambda left, left_tokens, column: self.heads.horizontal(left, self.embed(left_tokens)))
 
-    def along(self, row_tokens, row_q, images, positions, hidden, tokens, hidden_above, tokens_above,
-              limit: int = 0) -> None:
+    def along(self, row_tokens, row_q, images, positions, hidden, tokens, above_prepared, limit: int = 0) -> None:
         """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
 
-        Each position is drafted from the state and token above it and the state
-        and token to its left, the left ones drafted the step before (exact at
+        Each position is drafted from the row above (`above_prepared`: the grid
+        head's `prepare_above` of the whole row, (G, C, width)) and the state and
+        token to its left, the left ones drafted the step before (exact at
         `positions`: `hidden` (rows of `images`, H) predicts the token there, `tokens`).
         """
-        twins = len(hidden) // len(images)
-        steps = row_tokens.shape[1] - 1 - int(positions.min())
+        twin_rows = self.twin(images)
+        twins = len(twin_rows) // len(images)
 
         def predict(left, left_tokens, column):
-            above = hidden_above[self.twin(images), column.repeat(twins)]
-            return self.heads.grid(above, self.embed(tokens_above[images, column]), left, self.embed(left_tokens))
+            return self.heads.grid.from_above(above_prepared[twin_rows, column.repeat(twins)], left,
+                                              self.embed(left_tokens))
 
-        self._chain(row_tokens, row_q, images, positions, hidden, tokens, min(steps, limit) if limit else steps,
-                    predict)
+        self._chain(row_tokens, row_q, images, positions, hidden, tokens, limit or row_tokens.shape[1], predict)
+
+    def prepare_above(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> torch.Tensor:
+        """The grid head's share of the row above, once per row: (G, C, H), (B, C) -> (G, C, width)."""
+        return self.heads.grid.prepare_above(hidden_above, self.embed(tokens_above))
 
     def _chain(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, predict) -> None:
-        """Draft `steps` positions one after another to the right of `positions`, each from the one before.
+        """Draft up to `steps` positions one after another to the right of `positions`, each from the one before.
 
         `predict(left state, left tokens, column)` gives the states at `column` (clamped to the row).
         """
         cols = row_tokens.shape[1]
+        steps = min(steps, cols - 1 - int(positions.min()))
+        if steps <= 0:
+            return
+        all_inside = steps <= cols - 1 - int(positions.max())  # no image runs past the row's end
+        uniforms = torch.rand(steps, len(images), generator=self.generator, device=row_tokens.device)
         for step in range(steps):
             target = positions + 1 + step
-            inside = target < cols
-            if not inside.any():
-                return
-            hidden = predict(hidden, tokens, target.clamp(max=cols - 1))  # (rows, H)
+            hidden = predict(hidden, tokens, target if all_inside else target.clamp(max=cols - 1))  # (rows, H)
             q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
-            tokens = self.sample(q)
-            row_tokens[images[inside], target[inside]] = tokens[inside]
-            row_q[images[inside], target[inside]] = q[inside]
+            tokens = sample_with(q, uniforms[step])
+            if all_inside:
+                row_tokens[images, target], row_q[images, target] = tokens, q
+            else:
+                inside = target < cols
+                row_tokens[images[inside], target[inside]] = tokens[inside]
+                row_q[images[inside], target[inside]] = q[inside]
 
 
 @torch.inference_mode()
@@ -212,9 +225,12 @@ def generate_ssd(
             row_tokens[:, 0] = drafter.sample(row_q[:, 0])
         steps = cols - 1 if row == 0 else config.horizontal_steps
         grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
+        # A pass verifies at most `window` positions; drafts further right can wait for the correction after it.
+        grid_limit = min(limit for limit in (config.window, config.grid_steps, cols) if limit)
+        above_prepared = drafter.prepare_above(hidden_above, tokens_above) if grid else None
         if h_first is not None and grid:
             drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                          row_tokens[:, 0], hidden_above, tokens_above, config.window)  # the rest: vertical drafts
+                          row_tokens[:, 0], above_prepared, grid_limit)  # the rest: vertical drafts
         elif h_first is not None:
             drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
                                row_tokens[:, 0], steps)
@@ -276,15 +292,15 @@ def generate_ssd(
                 if row == rows - 1 and bool((committed >= cols).all()):
                     break  # the image is complete; no next row needs the state after the correction
                 exact_state = row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)]
+                budget_spent = config.mode == "autocorrect" and verify_passes > config.rounds
                 if grid:  # the rest of the row again, each position now seeing the correction to its left
-                    # With a window the next pass verifies at most `window` of them; further drafts can wait
-                    # for the correction after it.
                     drafter.along(row_tokens, row_q, rejected_images, position, exact_state,
-                                  row_tokens[rejected_images, position], hidden_above, tokens_above, config.window)
+                                  row_tokens[rejected_images, position], above_prepared,
+                                  0 if budget_spent else grid_limit)
                 else:
                     drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
                                        row_tokens[rejected_images, position], steps)
-                if config.mode == "autocorrect" and verify_passes > config.rounds:
+                if budget_spent:
                     break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
             else:
                 still_open = open_images & ~passed.all(1)

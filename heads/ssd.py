@@ -110,9 +110,24 @@ class SSDGridPredictor(nn.Module):
 
     def forward(self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor,
                 left_embedding: torch.Tensor) -> torch.Tensor:
-        inputs = (above, above_embedding, left, left_embedding)
-        fused = torch.cat([norm(x) for norm, x in zip(self.norms, inputs)], dim=-1)
-        return left + self.mlp(fused)
+        return self.from_above(self.prepare_above(above, above_embedding), left, left_embedding)
+
+    def prepare_above(self, above: torch.Tensor, above_embedding: torch.Tensor) -> torch.Tensor:
+        """The first layer's share of the inputs from above, (..., H) x 2 -> (..., width), bias included.
+
+        Decoding drafts a row one position at a time but knows the whole row above
+        beforehand: it prepares this once per row, and each step adds the left share.
+        """
+        first, size = self.mlp[0], self.norms[0].normalized_shape[0]
+        normed = torch.cat([self.norms[0](above), self.norms[1](above_embedding)], dim=-1)
+        return nn.functional.linear(normed, first.weight[:, : 2 * size], first.bias)
+
+    def from_above(self, prepared: torch.Tensor, left: torch.Tensor, left_embedding: torch.Tensor) -> torch.Tensor:
+        """The predicted state from `prepare_above`'s output (..., width) and the left inputs (..., H) x 2."""
+        first, size = self.mlp[0], self.norms[0].normalized_shape[0]
+        normed = torch.cat([self.norms[2](left), self.norms[3](left_embedding)], dim=-1)
+        hidden = prepared + nn.functional.linear(normed, first.weight[:, 2 * size :])
+        return left + self.mlp[1:](hidden)
 
 
 class SSDRowAttentionPredictor(nn.Module):

@@ -67,6 +67,18 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert hot[0, 0] > 0.5  # a lower temperature sharpens
 
 
+def test_inverse_cdf_sampling_draws_by_the_distribution_and_never_a_zero_token():
+    from decode.sampling import sample_from, sample_with
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    draws = sample_from(probs.repeat(100_000, 1), torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(draws, minlength=6) / len(draws)
+    assert frequencies[[0, 2, 5]].sum() == 0  # zero mass is never drawn, at either end or inside
+    torch.testing.assert_close(frequencies, probs, atol=0.005, rtol=0)  # 3 sigma of 100k draws is < 0.005
+    edges = torch.tensor([0.0, 0.1 - 1e-6, 0.1, 0.7 - 1e-6, 0.9999999])
+    assert sample_with((2 * probs).repeat(5, 1), edges).tolist() == [1, 1, 3, 3, 4]  # unnormalised mass is fine
+
+
 def test_seeded_sampling_is_reproducible(tiny_backbone):
     condition = Condition(class_ids=torch.tensor([5, 5]))
     sampling = SamplingConfig(cfg_scale=2.0)

@@ -107,6 +107,37 @@ def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone,
             assert result.forward_passes <= 1 + 8 * (rounds + 1)
 
 
+@pytest.mark.parametrize("grid_steps", [1, 3])
+def test_short_grid_redrafts_stay_lossless(tiny_backbone, grid_steps):
+    """Re-drafting only a few positions after each correction changes the drafts, never the output."""
+    sampling = SamplingConfig(greedy=True, cfg_scale=2.0)
+    condition = Condition(class_ids=torch.tensor([0, 6]))
+    baseline = generate_ar(tiny_backbone, condition, sampling)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=2, grid=True)
+    for config in (SSDDecodeConfig(mode="exact", grid_steps=grid_steps),
+                   SSDDecodeConfig(mode="autocorrect", rounds=8, grid_steps=grid_steps)):
+        assert torch.equal(generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens,
+                           baseline.tokens)
+
+
+def test_grid_head_prepared_row_equals_the_whole_mlp():
+    """Decoding prepares the row above once and adds the left inputs per step: the same prediction
+    as the grid head's MLP applied to all four inputs at once, at every column."""
+    grid = random_ssd_heads(16, seed=4, grid=True).grid
+    inputs = torch.randn(4, 3, 5, 16)  # above, above embedding, left, left embedding: (batch, columns, hidden)
+    whole = inputs[2] + grid.mlp(torch.cat([norm(x) for norm, x in zip(grid.norms, inputs)], dim=-1))
+    prepared = grid.prepare_above(inputs[0], inputs[1])  # (batch, columns, width)
+    for column in range(5):
+        torch.testing.assert_close(grid.from_above(prepared[:, column], inputs[2][:, column], inputs[3][:, column]),
+                                   whole[:, column])
+    torch.testing.assert_close(grid(*inputs), whole)
+
+
+def test_negative_grid_steps_are_refused():
+    with pytest.raises(ValueError, match="grid_steps must be >= 0"):
+        SSDDecodeConfig(grid_steps=-1)
+
+
 def test_window_needs_exact_or_prefix():
     with pytest.raises(ValueError, match="window works with mode exact or correction prefix"):
         SSDDecodeConfig(mode="autocorrect", correction="residual", window=4)
@@ -127,8 +158,9 @@ def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
                          ids=["cfg", "temperature-topk"])
-@pytest.mark.parametrize("window,grid", [(0, False), (1, False), (0, True)], ids=["whole-row", "window-1", "grid"])
-def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid):
+@pytest.mark.parametrize("window,grid,grid_steps", [(0, False, 0), (1, False, 0), (0, True, 0), (0, True, 1)],
+                         ids=["whole-row", "window-1", "grid", "grid-1-step"])
+def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid, grid_steps):
     """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
     from scipy.stats import chisquare
 
@@ -141,7 +173,8 @@ def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid)
     draws = 40_000
     result = generate_ssd(backbone, random_ssd_heads(16, seed=1, grid=grid), Condition(class_ids=torch.full((draws,), 4)),
                           sampling,
-                          torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", window=window))
+                          torch.Generator().manual_seed(0),
+                          SSDDecodeConfig(mode="exact", window=window, grid_steps=grid_steps))
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     observed = {}
     for image in result.tokens.flatten(1).tolist():
