@@ -44,7 +44,8 @@ def token_distribution(scores: torch.Tensor, sampling: SamplingConfig) -> torch.
     scores = scores.float()
     if sampling.greedy:
         return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
-    scores = scores / sampling.temperature
+    if sampling.temperature != 1.0:  # skip a no-op division: this runs once per drafted token
+        scores = scores / sampling.temperature
     if 0 < sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

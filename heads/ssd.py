@@ -24,6 +24,7 @@ heads accept < 5% in the paper).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -127,7 +128,9 @@ class SSDGridPredictor(nn.Module):
         first, size = self.mlp[0], self.norms[0].normalized_shape[0]
         normed = torch.cat([self.norms[2](left), self.norms[3](left_embedding)], dim=-1)
         hidden = prepared + nn.functional.linear(normed, first.weight[:, 2 * size :])
-        return left + self.mlp[1:](hidden)
+        for layer in itertools.islice(self.mlp, 1, None):  # slicing the Sequential would build a new one per step
+            hidden = layer(hidden)
+        return left + hidden
 
 
 class SSDRowAttentionPredictor(nn.Module):
