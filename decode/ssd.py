@@ -15,7 +15,8 @@ by row. For row ``r``:
    settings. Heads with a grid head (``head.grid``) draft rows below the first
    along the row instead, each position from the state above it and the state
    drafted to its left, and re-draft the rest of the row the same way from each
-   correction (``horizontal_steps`` then only matters for row 0).
+   correction, or only its next ``grid_steps`` positions (``horizontal_steps``
+   then only matters for row 0).
 3. One backbone pass over the row (all images of the batch together, the cache
    rolled back to the row's start) gives the target distribution ``p`` at every
    position. Then, per mode:
