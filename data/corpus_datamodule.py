@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from backbones.base import ARImageBackbone, Condition
 from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
+
+log = logging.getLogger(__name__)
+
+
+class ResumedStream(IterableDataset):
+    """The repeated training stream without the batches a checkpointed run already consumed.
+
+    The skip applies once, to the whole endless stream. (webdataset's own
+    ``.slice`` on a repeated dataset applies to every pass over the shards, so a
+    skip longer than one pass leaves every pass empty and a resumed run waits
+    forever.) With loader workers each worker streams its own shards and gave
+    every ``num_workers``-th batch, so each skips its share.
+    """
+
+    def __init__(self, stream, batches: int, batch_size: int):
+        self.stream, self.batches, self.batch_size = stream, batches, batch_size
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        batches = self.batches // workers + int(worker < self.batches % workers)
+        return itertools.islice(iter(self.stream), batches * self.batch_size, None)
 
 
 class CorpusDataModule(pl.LightningDataModule):
@@ -50,7 +74,9 @@ class CorpusDataModule(pl.LightningDataModule):
         dataset = corpus_dataset(self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True,
                                  seed=self.seed)
         if self.skip_batches:  # the stream is seeded, so skipping what was consumed restores the position
-            dataset = dataset.slice(self.skip_batches * self.batch_size, None)
+            log.info("resuming: skipping the %d training batches the checkpoint consumed (about %.0f s of reading)",
+                     self.skip_batches, self.skip_batches * self.batch_size * 2e-3)
+            dataset = ResumedStream(dataset, self.skip_batches, self.batch_size)
         return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader:

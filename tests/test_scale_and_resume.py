@@ -14,10 +14,10 @@ TINY = ["+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "h
         "trainer.limit_val_batches=0", "train.evaluate=null", "data.shuffle_buffer=0"]
 
 
-def run_train(overrides, tmp_path, env_extra=None):
+def run_train(overrides, tmp_path, env_extra=None, timeout=900):
     env = {**os.environ, "PYTHONPATH": f"{PROJECT_ROOT / 'tests'}{os.pathsep}{PROJECT_ROOT}", **(env_extra or {})}
     done = subprocess.run([sys.executable, "-m", "train", *TINY, f"paths.root_dir={tmp_path}", *overrides],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900, env=env)
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     return done
 
 
@@ -54,8 +54,11 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
 
 
 @pytest.mark.slow
-def test_resume_after_kill_reaches_the_weights_of_an_uninterrupted_run(tmp_path):
-    common = ["trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", "data.spec.num_images=48",
+@pytest.mark.parametrize("num_images", [48, 16], ids=["within-one-pass", "past-several-passes"])
+def test_resume_after_kill_reaches_the_weights_of_an_uninterrupted_run(tmp_path, num_images):
+    """48 images: 5 training shards of 8, the 16 samples consumed at the checkpoint are inside one pass over
+    them; 16 images: 1 training shard, so the resumed stream must skip two whole passes (this hung once)."""
+    common = ["trainer.max_steps=6", "callbacks.checkpoint.every_n_train_steps=2", f"data.spec.num_images={num_images}",
               "data.spec.shard_size=8", "data.shuffle_buffer=8"]
     straight = run_train(common + [f"export.dir={tmp_path / 'straight'}", f"hydra.run.dir={tmp_path / 'run_a'}"], tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -65,7 +68,7 @@ def test_resume_after_kill_reaches_the_weights_of_an_uninterrupted_run(tmp_path)
     assert killed.returncode == -9 and (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert not (tmp_path / "resumed").exists()
     resumed = run_train(common + [f"export.dir={tmp_path / 'resumed'}", f"hydra.run.dir={run_dir}", "train.resume=true"],
-                        tmp_path)
+                        tmp_path, timeout=300)  # a resume that never finds its place must fail, not hang
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = head_tensors(tmp_path / "straight"), head_tensors(tmp_path / "resumed")
     for name in a:
