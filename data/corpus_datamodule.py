@@ -74,8 +74,8 @@ class CorpusDataModule(pl.LightningDataModule):
         dataset = corpus_dataset(self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True,
                                  seed=self.seed)
         if self.skip_batches:  # the stream is seeded, so skipping what was consumed restores the position
-            log.info("resuming: skipping the %d training batches the checkpoint consumed (about %.0f s of reading)",
-                     self.skip_batches, self.skip_batches * self.batch_size * 2e-3)
+            log.info("resuming: skipping the %d training batches (%d samples) the checkpoint consumed",
+                     self.skip_batches, self.skip_batches * self.batch_size)
             dataset = ResumedStream(dataset, self.skip_batches, self.batch_size)
         return self._loader(dataset)
 

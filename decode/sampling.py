@@ -61,7 +61,7 @@ def token_distribution(scores: torch.Tensor, sampling: SamplingConfig) -> torch.
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per distribution: probs (..., V) -> tokens (...)."""
-    uniform = torch.rand(probs.shape[:-1], generator=generator, device=probs.device, dtype=probs.dtype)
+    uniform = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)
     return sample_with(probs, uniform)
 
 
@@ -74,7 +74,7 @@ def sample_with(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     with one call to the generator, and this is a few element-wise kernels where
     torch.multinomial is one slow call per draw on CPU.
     """
-    cumulative = probs.cumsum(-1)
+    cumulative = probs.float().cumsum(-1)  # half-precision sums would bias the draw
     threshold = uniform[..., None] * cumulative[..., -1:]
     return (cumulative <= threshold).sum(-1).clamp(max=probs.shape[-1] - 1)
 

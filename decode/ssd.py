@@ -214,6 +214,10 @@ def generate_ssd(
     relaxed = config.relax_k > 0 and config.relax_delta > 0 and not sampling.greedy
     neighbours = latent_neighbours(backbone.codebook_latents().to(device), config.relax_k) if relaxed else None
 
+    # Grid re-drafts stop after `grid_steps`, and after `window` (a pass verifies no further; drafts beyond can
+    # wait for the correction after it).
+    grid_limit = min(limit for limit in (config.window, config.grid_steps, cols) if limit)
+
     for row in range(rows):
         row_start = row * cols
         # 1-2. First token from the backbone, drafts for the rest.
@@ -226,8 +230,6 @@ def generate_ssd(
             row_tokens[:, 0] = drafter.sample(row_q[:, 0])
         steps = cols - 1 if row == 0 else config.horizontal_steps
         grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
-        # A pass verifies at most `window` positions; drafts further right can wait for the correction after it.
-        grid_limit = min(limit for limit in (config.window, config.grid_steps, cols) if limit)
         above_prepared = drafter.prepare_above(hidden_above, tokens_above) if grid else None
         if h_first is not None and grid:
             drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
