@@ -58,7 +58,8 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     for its seed-to-seed band), ``ssd_exact``, ``ssd_autocorrect`` (rounds from
     ``decode.ssd.rounds``) and ``ssd_autocorrect_r<K>`` (K rounds), with optional suffixes
     ``_target|_residual|_prefix`` (autocorrect's correction), ``_w<W>`` (verification window), ``_g<G>``
-    (grid head re-drafts G positions after each correction) and
+    (grid head re-drafts G positions after each correction), ``_la[<C>]`` (lookahead into the next row,
+    at confidence C/100) and
     ``_k<K>_d<delta>`` (LANTERN relaxation; not lossless); ``mulo``, ``mulo_exact`` and
     ``mulo_k<K>_d<delta>_r<rho>[_rounds<R>]``.
     """
@@ -74,15 +75,18 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
         elif re.fullmatch(r"ar_seed\d+", name):
             methods[name] = Method(generate_ar, seed_offset=int(name.removeprefix("ar_seed")))
         elif match := re.fullmatch(r"ssd_(exact|autocorrect(?:_r(\d+))?(?:_(target|residual|prefix))?)"
-                                   r"(?:_w(\d+))?(?:_g(\d+))?(?:_k(\d+)_d([\d.]+))?", name):
+                                   r"(?:_w(\d+))?(?:_g(\d+))?(?:_la(\d*))?(?:_k(\d+)_d([\d.]+))?", name):
             heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device, kind="ssd")
-            mode, rounds, correction, window, grid_steps, relax_k, relax_delta = match.groups()
+            mode, rounds, correction, window, grid_steps, lookahead, relax_k, relax_delta = match.groups()
             ssd = SSDDecodeConfig(mode="exact" if mode == "exact" else "autocorrect",
                                   rounds=int(rounds) if rounds else cfg.decode.ssd.rounds,
                                   correction=correction or cfg.decode.ssd.correction,
                                   horizontal_steps=cfg.decode.ssd.horizontal_steps,
                                   window=int(window) if window else cfg.decode.ssd.window,
                                   grid_steps=int(grid_steps) if grid_steps else cfg.decode.ssd.grid_steps,
+                                  lookahead=lookahead is not None or cfg.decode.ssd.lookahead,
+                                  lookahead_confidence=(int(lookahead) / 100 if lookahead
+                                                        else cfg.decode.ssd.lookahead_confidence),
                                   relax_k=int(relax_k) if relax_k else cfg.decode.ssd.relax_k,
                                   relax_delta=float(relax_delta) if relax_delta else cfg.decode.ssd.relax_delta)
             methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))

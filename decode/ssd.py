@@ -50,6 +50,7 @@ finished its row re-feeds it unchanged until the others finish.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +82,13 @@ class SSDDecodeConfig:
     # row's first token, each correction); the positions after them keep their earlier drafts (0: to the row's
     # end). In autocorrect the last correction of a row always re-drafts to the end: that tail is kept unverified.
     grid_steps: int = 0
+    # Verify the next row's drafts in the same pass as the end of this one, when this row's open drafts look
+    # likely to pass (the product of their own probabilities q(x) >= lookahead_confidence; 0: whenever the
+    # pass reaches the row's end). The next row is drafted from this row's states, exact where known and the
+    # heads' predictions elsewhere. Saves the pass that would start the next row whenever this row completes
+    # in that pass; costs a row of tokens per pass it is added to (free on a GPU at small batch, not on a CPU).
+    lookahead: bool = False
+    lookahead_confidence: float = 0.0
     # LANTERN relaxation of the acceptance test (decode/relaxed.py): a draft also counts the target mass of its
     # relax_k nearest codebook neighbours, up to relax_delta. 0 keeps the exact test (and exactness); > 0 trades
     # exactness for acceptance. Sampled decoding only (greedy verification compares argmaxes).
@@ -95,6 +103,11 @@ class SSDDecodeConfig:
         if min(self.rounds, self.horizontal_steps, self.window, self.grid_steps) < 0:
             raise ValueError(f"SSD rounds, horizontal_steps, window and grid_steps must be >= 0, got {self.rounds}, "
                              f"{self.horizontal_steps}, {self.window}, {self.grid_steps}")
+        if not 0 <= self.lookahead_confidence <= 1:
+            raise ValueError(f"SSD lookahead_confidence must be in [0, 1], got {self.lookahead_confidence}")
+        if self.lookahead and (self.window or (self.mode == "autocorrect" and self.correction != "prefix")):
+            raise ValueError("decode.ssd.lookahead needs window 0 and mode exact or correction prefix (it extends a "
+                             "pass that reaches the row's end)")
         if self.relax_k < 0 or self.relax_delta < 0:
             raise ValueError(f"SSD relax_k and relax_delta must be >= 0, got {self.relax_k}, {self.relax_delta}")
         if self.window and self.mode == "autocorrect" and self.correction != "prefix":
@@ -113,8 +126,12 @@ class _RowDrafter:
     """Drafting and target distributions for one generation: heads + backbone + sampling settings."""
 
     def __init__(self, backbone: ARImageBackbone, heads: SSDHeads, state: DecodeState, sampling: SamplingConfig,
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, device: torch.device):
         self.backbone, self.heads, self.state, self.sampling, self.generator = backbone, heads, state, sampling, generator
+        self.twins = 2 if state.guided else 1
+        # The grid head's share of every possible left token, looked up per drafted token (see prepare_left_tokens).
+        self.left_token_share = None if getattr(heads, "grid", None) is None else heads.grid.prepare_left_tokens(
+            backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=device)))
 
     def twin(self, images: torch.Tensor) -> torch.Tensor:
         """Image indices (k,) -> their cache rows ([cond; uncond] under guidance)."""
@@ -132,20 +149,23 @@ class _RowDrafter:
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         return sample_from(probs, self.generator)
 
-    def vertical(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts for a whole row from the row above: (tokens (B, C), q (B, C, V))."""
-        q = self.distribution(self.heads.vertical(hidden_above, self.embed(tokens_above)))
-        return self.sample(q), q
+    def vertical(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor):
+        """Drafts for a whole row from the row above: (tokens (B, C), q (B, C, V), predicted states (G, C, H))."""
+        states = self.heads.vertical(hidden_above, self.embed(tokens_above))
+        q = self.distribution(states)
+        return self.sample(q), q, states
 
-    def horizontal(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int) -> None:
+    def horizontal(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, row_states=None) -> None:
         """Re-draft `steps` positions after `positions` (one per image in `images`), in place.
 
         `hidden` (rows of `images`, H) predicts the token at `positions`, which is `tokens`.
+        `row_states` (G, C, H), if given, receives the predicted states of the re-drafted positions.
         """
         self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps,
-                    lambda left, left_tokens, column: self.heads.horizontal(left, self.embed(left_tokens)))
+                    lambda left, left_tokens, step: self.heads.horizontal(left, self.embed(left_tokens)), row_states)
 
-    def along(self, row_tokens, row_q, images, positions, hidden, tokens, above_prepared, limit: int = 0) -> None:
+    def along(self, row_tokens, row_q, images, positions, hidden, tokens, above_prepared, limit: int = 0,
+              row_states=None) -> None:
         """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
 
         Each position is drafted from the row above (`above_prepared`: the grid
@@ -153,41 +173,127 @@ class _RowDrafter:
         token to its left, the left ones drafted the step before (exact at
         `positions`: `hidden` (rows of `images`, H) predicts the token there, `tokens`).
         """
-        twin_rows = self.twin(images)
-        twins = len(twin_rows) // len(images)
+        cols = row_tokens.shape[1]
+        steps = min(limit or cols, cols - 1 - int(positions.min()))
+        if steps <= 0:
+            return
+        # Each step reads one column of the prepared row per cache row: gather those columns once.
+        columns = (positions[:, None] + torch.arange(1, steps + 1, device=positions.device)).clamp(max=cols - 1)
+        above = above_prepared[self.twin(images)[:, None], columns.repeat(self.twins, 1)]  # (rows, steps, width)
+        share = self.left_token_share
 
-        def predict(left, left_tokens, column):
-            return self.heads.grid.from_above(above_prepared[twin_rows, column.repeat(twins)], left,
-                                              self.embed(left_tokens))
+        def predict(left, left_tokens, step):
+            return self.heads.grid.from_prepared(above[:, step], left, share[left_tokens.repeat(self.twins)])
 
-        self._chain(row_tokens, row_q, images, positions, hidden, tokens, limit or row_tokens.shape[1], predict)
+        self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps, predict, row_states)
 
     def prepare_above(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> torch.Tensor:
         """The grid head's share of the row above, once per row: (G, C, H), (B, C) -> (G, C, width)."""
         return self.heads.grid.prepare_above(hidden_above, self.embed(tokens_above))
 
-    def _chain(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, predict) -> None:
+    def _chain(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, predict, row_states=None) -> None:
         """Draft up to `steps` positions one after another to the right of `positions`, each from the one before.
 
-        `predict(left state, left tokens, column)` gives the states at `column` (clamped to the row).
+        `predict(left state, left tokens, step)` gives the states `step + 1` positions right of `positions`.
+        Drafts past the row's end (images whose `positions` are further right) are computed and dropped.
         """
         cols = row_tokens.shape[1]
         steps = min(steps, cols - 1 - int(positions.min()))
         if steps <= 0:
             return
-        all_inside = steps <= cols - 1 - int(positions.max())  # no image runs past the row's end
         uniforms = torch.rand(steps, len(images), generator=self.generator, device=row_tokens.device)
+        drafted_tokens, drafted_q, drafted_states = [], [], []
         for step in range(steps):
-            target = positions + 1 + step
-            hidden = predict(hidden, tokens, target if all_inside else target.clamp(max=cols - 1))  # (rows, H)
+            hidden = predict(hidden, tokens, step)  # (rows, H)
             q = self.distribution(hidden[:, None])[:, 0]  # (k, V)
             tokens = sample_with(q, uniforms[step])
-            if all_inside:
-                row_tokens[images, target], row_q[images, target] = tokens, q
-            else:
-                inside = target < cols
-                row_tokens[images[inside], target[inside]] = tokens[inside]
-                row_q[images[inside], target[inside]] = q[inside]
+            drafted_tokens.append(tokens)
+            drafted_q.append(q)
+            drafted_states.append(hidden)
+        # One write for the whole chain: indexed writes cost as much as a drafting step's kernels.
+        columns = positions[:, None] + torch.arange(1, steps + 1, device=positions.device)  # (k, steps)
+        chain_tokens, chain_q = torch.stack(drafted_tokens, 1), torch.stack(drafted_q, 1)
+        image_rows = images[:, None].expand_as(columns)
+        inside = columns < cols if steps > cols - 1 - int(positions.max()) else None  # None: no image ran past the end
+        if row_states is not None:
+            twin_columns = columns.repeat(self.twins, 1)
+            state_rows, chain_states = self.twin(images)[:, None].expand_as(twin_columns), torch.stack(drafted_states, 1)
+            if inside is not None:
+                twin_inside = inside.repeat(self.twins, 1)
+                state_rows, twin_columns, chain_states = state_rows[twin_inside], twin_columns[twin_inside], chain_states[twin_inside]
+            row_states[state_rows, twin_columns] = chain_states
+        if inside is not None:
+            image_rows, columns, chain_tokens, chain_q = image_rows[inside], columns[inside], chain_tokens[inside], chain_q[inside]
+        row_tokens[image_rows, columns] = chain_tokens
+        row_q[image_rows, columns] = chain_q
+
+
+def _horizontal_steps(config: SSDDecodeConfig, row: int, cols: int) -> int:
+    """Positions the horizontal head drafts after a token the backbone gave: row 0 has nothing above."""
+    return cols - 1 if row == 0 else config.horizontal_steps
+
+
+def _draft_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, h_first, hidden_above, tokens_above,
+               above_prepared, grid_limit: int, state_template: torch.Tensor, batch: int, cols: int, keep_states: bool):
+    """Steps 1-2 for one row: its first token from the backbone where its state is known, drafts for the rest.
+
+    Returns tokens (B, C), their draft distributions q (B, C, V) and, with `keep_states`, the heads' predicted
+    states (G, C, H) (the exact state at position 0), else None.
+    """
+    device = state_template.device
+    every_image = torch.arange(batch, device=device)
+    row_tokens = torch.empty(batch, cols, dtype=torch.long, device=device)
+    row_q = torch.zeros(batch, cols, drafter.backbone.codebook_size, device=device)
+    row_states = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1]) if keep_states else None
+    if row > 0:
+        row_tokens[:], row_q[:], states = drafter.vertical(hidden_above, tokens_above)
+        if keep_states:
+            row_states[:] = states
+    if h_first is not None:  # None: the row above ended unfed (window); its vertical draft stands
+        row_q[:, 0] = drafter.distribution(h_first)[:, 0]
+        row_tokens[:, 0] = drafter.sample(row_q[:, 0])
+        if keep_states:
+            row_states[:, 0] = h_first[:, 0]
+        if above_prepared is not None:
+            drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
+                          row_tokens[:, 0], above_prepared, grid_limit, row_states)  # the rest: vertical drafts
+        else:
+            drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
+                               row_tokens[:, 0], _horizontal_steps(config, row, cols), row_states)
+    return row_tokens, row_q, row_states
+
+
+def _likely_complete(row_tokens: torch.Tensor, row_q: torch.Tensor, committed: torch.Tensor, threshold: float) -> bool:
+    """Whether every image's open drafts have a product of own probabilities q(x) >= `threshold` (0: always)."""
+    if threshold <= 0:
+        return True
+    draft_probability = row_q.gather(-1, row_tokens[..., None])[..., 0]  # (B, C)
+    is_open = torch.arange(row_tokens.shape[1], device=row_tokens.device)[None] >= committed[:, None]
+    log_product = torch.where(is_open, draft_probability.clamp(min=1e-30).log(), 0.0).sum(1)
+    return bool((log_product >= math.log(threshold)).all())
+
+
+def _draft_next_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row_hidden, row_states, row_tokens, committed,
+                    grid_limit: int, batch: int):
+    """The next row's drafts before this row is verified: (tokens to feed, tokens, q, predicted states).
+
+    The row above is this row as it stands: exact states left of each image's first open position (their
+    context is final), the heads' predictions from there on. The next row's first token is a draft too
+    (vertical head), verified like the rest once the pass gives its state.
+    """
+    cols = row_tokens.shape[1]
+    known = torch.arange(cols, device=row_tokens.device)[None] < committed.repeat(drafter.twins)[:, None]  # (G, C)
+    above = torch.where(known[..., None], row_hidden, row_states)
+    next_tokens, next_q, next_states = drafter.vertical(above, row_tokens)
+    every_image = torch.arange(batch, device=row_tokens.device)
+    first = torch.zeros_like(every_image)
+    if getattr(drafter.heads, "grid", None) is not None:
+        drafter.along(next_tokens, next_q, every_image, first, next_states[:, 0], next_tokens[:, 0],
+                      drafter.prepare_above(above, row_tokens), grid_limit, next_states)
+    else:
+        drafter.horizontal(next_tokens, next_q, every_image, first, next_states[:, 0], next_tokens[:, 0],
+                           config.horizontal_steps, next_states)
+    return next_tokens, next_tokens, next_q, next_states
 
 
 @torch.inference_mode()
@@ -202,9 +308,8 @@ def generate_ssd(
     """Generate one image per condition with SSD row drafting and verification (see the module docstring)."""
     rows, cols = backbone.geometry.rows, backbone.geometry.cols
     state, h_first = backbone.prefill(condition, sampling.guided)  # h_first: (G, 1, H) predicts the row's first token
-    drafter = _RowDrafter(backbone, heads, state, sampling, generator)
+    drafter = _RowDrafter(backbone, heads, state, sampling, generator, h_first.device)
     batch, device = condition.batch_size, h_first.device
-    every_image = torch.arange(batch, device=device)
     tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
     passes, drafted, accepted = 1, 0, 0  # the prefill is a pass
     cache_valid = 0  # grid tokens whose cached keys/values belong to the committed tokens of every image
@@ -218,26 +323,21 @@ def generate_ssd(
     # wait for the correction after it).
     grid_limit = min(limit for limit in (config.window, config.grid_steps, cols) if limit)
 
+    lookahead = None  # set by a pass that completed its row: the next row's drafts and that pass's states for them
     for row in range(rows):
         row_start = row * cols
-        # 1-2. First token from the backbone, drafts for the rest.
-        row_tokens = torch.empty(batch, cols, dtype=torch.long, device=device)
-        row_q = torch.zeros(batch, cols, backbone.codebook_size, device=device)
-        if row > 0:
-            row_tokens[:], row_q[:] = drafter.vertical(hidden_above, tokens_above)
-        if h_first is not None:  # None: the row above ended unfed (window); its vertical draft stands
-            row_q[:, 0] = drafter.distribution(h_first)[:, 0]
-            row_tokens[:, 0] = drafter.sample(row_q[:, 0])
-        steps = cols - 1 if row == 0 else config.horizontal_steps
         grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
         above_prepared = drafter.prepare_above(hidden_above, tokens_above) if grid else None
-        if h_first is not None and grid:
-            drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                          row_tokens[:, 0], above_prepared, grid_limit)  # the rest: vertical drafts
-        elif h_first is not None:
-            drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                               row_tokens[:, 0], steps)
-        committed = first_exact.long()  # (B,) positions of this row already final
+        if lookahead is not None:  # drafted and fed with the row above; verified below without a new pass
+            row_tokens, row_q, row_states, lookahead_out = lookahead
+            lookahead = None
+        else:
+            row_tokens, row_q, row_states = _draft_row(drafter, config, row, h_first, hidden_above, tokens_above,
+                                                       above_prepared, grid_limit, state_template, batch, cols,
+                                                       keep_states=config.lookahead)
+            lookahead_out = None
+        committed = torch.zeros_like(first_exact, dtype=torch.long) if lookahead_out is not None else first_exact.long()
+        # committed: (B,) positions of this row already final
         row_hidden = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1])
         if h_first is not None:
             row_hidden[:, 0] = h_first[:, 0]  # row_hidden[:, i] predicts position i
@@ -246,17 +346,26 @@ def generate_ssd(
 
         # 3. Verify until the row is complete (exact) or the rounds are spent (autocorrect).
         while True:
-            # Feed from the first position whose cache entry is not final: re-feeding a finished prefix
-            # would cost compute and change nothing.
-            start = cache_valid if cache_valid < row_start else row_start + row_cached
-            backbone.rollback(state, start)
-            feed_end = row_start + cols  # grid positions [start, feed_end) are fed
-            if config.window:  # exact or prefix only (SSDDecodeConfig refuses the rest)
-                feed_end = min(feed_end, row_start + int(committed.min()) + config.window)
-            feed = torch.cat([tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]],
-                             dim=1)
-            out = backbone.step(state, feed)  # (G, L, H); out[:, j] predicts grid position start + j + 1
-            passes, verify_passes = passes + 1, verify_passes + 1
+            next_row = None  # the next row's drafts, when this pass verifies them too
+            if lookahead_out is not None:  # the pass that fed this row with the row above
+                out, start, feed_end, lookahead_out = lookahead_out, row_start, row_start + cols, None
+            else:
+                # Feed from the first position whose cache entry is not final: re-feeding a finished prefix
+                # would cost compute and change nothing.
+                start = cache_valid if cache_valid < row_start else row_start + row_cached
+                backbone.rollback(state, start)
+                feed_end = row_start + cols  # grid positions [start, feed_end) are fed
+                if config.window:  # exact or prefix only (SSDDecodeConfig refuses the rest)
+                    feed_end = min(feed_end, row_start + int(committed.min()) + config.window)
+                feed = [tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]]
+                if (config.lookahead and row < rows - 1 and feed_end == row_start + cols
+                        and _likely_complete(row_tokens, row_q, committed, config.lookahead_confidence)):
+                    next_row = _draft_next_row(drafter, config, row_hidden, row_states, row_tokens, committed,
+                                               grid_limit, batch)
+                    feed.append(next_row[0])
+                out = backbone.step(state, torch.cat(feed, dim=1))  # out[:, j] predicts grid position start + j + 1
+                passes += 1
+            verify_passes += 1
             first_fresh = max(row_start, start + 1)  # the first row position whose state this pass gives
             fresh = first_fresh - row_start
             extent = min(cols, feed_end - row_start + 1)  # row positions < extent are verified by this pass
@@ -285,7 +394,11 @@ def generate_ssd(
                 rejected_images = torch.nonzero(first_rejected < extent)[:, 0]
                 if len(rejected_images) == 0:
                     committed = committed.clamp(min=extent)
-                    if bool((committed >= cols).all()) or (config.mode == "autocorrect" and verify_passes > config.rounds):
+                    if bool((committed >= cols).all()):
+                        if next_row is not None:  # every image's row stands as fed: the next row's part is valid
+                            lookahead = (*next_row[1:], out[:, row_start + cols - start :])
+                        break
+                    if config.mode == "autocorrect" and verify_passes > config.rounds:
                         break
                     continue
                 position = first_rejected[rejected_images]
@@ -299,10 +412,11 @@ def generate_ssd(
                 if grid:  # the rest of the row again, each position now seeing the correction to its left
                     drafter.along(row_tokens, row_q, rejected_images, position, exact_state,
                                   row_tokens[rejected_images, position], above_prepared,
-                                  0 if budget_spent else grid_limit)
+                                  0 if budget_spent else grid_limit, row_states)
                 else:
                     drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
-                                       row_tokens[rejected_images, position], steps)
+                                       row_tokens[rejected_images, position], _horizontal_steps(config, row, cols),
+                                       row_states)
                 if budget_spent:
                     break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
             else:
@@ -330,16 +444,21 @@ def generate_ssd(
         # Which images' cache rows now hold exactly their final row (autocorrect may have resampled after the pass).
         fed_is_final = committed >= cols
         last_fed = feed_end == row_start + cols
-        if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
-            first_exact = torch.zeros_like(first_exact)
-            cache_valid = row_start + row_cached
-        elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
-            first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
-            cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
-        else:
+        if lookahead is not None:  # the next row's drafts are fed too; its first token is a draft to verify
             first_exact = torch.ones_like(first_exact)
             cache_valid = row_start + cols
-        h_first = out[:, -1:] if last_fed else None
+            h_first = out[:, row_start + cols - start - 1 : row_start + cols - start]
+        else:
+            if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
+                first_exact = torch.zeros_like(first_exact)
+                cache_valid = row_start + row_cached
+            elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
+                first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
+                cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
+            else:
+                first_exact = torch.ones_like(first_exact)
+                cache_valid = row_start + cols
+            h_first = out[:, row_start + cols - start - 1 : row_start + cols - start] if last_fed else None
         hidden_above, tokens_above = row_hidden, row_tokens
 
     return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,

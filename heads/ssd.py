@@ -24,7 +24,6 @@ heads accept < 5% in the paper).
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -108,6 +107,8 @@ class SSDGridPredictor(nn.Module):
         size = config.hidden_size
         self.norms = nn.ModuleList(nn.RMSNorm(size) for _ in range(4))
         self.mlp = residual_mlp(4 * size, config)
+        # The MLP's Linear layers, for the per-token functional path (a plain tuple: not registered twice).
+        self._linears = tuple(layer for layer in self.mlp if isinstance(layer, nn.Linear))
 
     def forward(self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor,
                 left_embedding: torch.Tensor) -> torch.Tensor:
@@ -125,12 +126,32 @@ class SSDGridPredictor(nn.Module):
 
     def from_above(self, prepared: torch.Tensor, left: torch.Tensor, left_embedding: torch.Tensor) -> torch.Tensor:
         """The predicted state from `prepare_above`'s output (..., width) and the left inputs (..., H) x 2."""
+        return self.from_prepared(prepared, left, self.prepare_left_tokens(left_embedding))
+
+    def prepare_left_tokens(self, token_embeddings: torch.Tensor) -> torch.Tensor:
+        """The first layer's share of a left token's embedding, (..., H) -> (..., width).
+
+        It depends on the token alone, so decoding computes it once for the whole
+        codebook and looks it up per drafted token instead of embedding,
+        normalising and projecting each one.
+        """
         first, size = self.mlp[0], self.norms[0].normalized_shape[0]
-        normed = torch.cat([self.norms[2](left), self.norms[3](left_embedding)], dim=-1)
-        hidden = prepared + nn.functional.linear(normed, first.weight[:, 2 * size :])
-        for layer in itertools.islice(self.mlp, 1, None):  # slicing the Sequential would build a new one per step
-            hidden = layer(hidden)
-        return left + hidden
+        return nn.functional.linear(self.norms[3](token_embeddings), first.weight[:, 3 * size :])
+
+    def from_prepared(self, prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor) -> torch.Tensor:
+        """The predicted state from the prepared above share, the left state (..., H) and the prepared left token.
+
+        Decoding calls this once per drafted token, where each module call's
+        overhead costs as much as its kernel: the layers are applied functionally.
+        """
+        first, *hidden_layers, last = self._linears
+        left_norm = self.norms[2]
+        normed = nn.functional.rms_norm(left, left_norm.normalized_shape, left_norm.weight, left_norm.eps)
+        size = left.shape[-1]
+        hidden = prepared_above + prepared_left_token + nn.functional.linear(normed, first.weight[:, 2 * size : 3 * size])
+        for layer in hidden_layers:
+            hidden = nn.functional.linear(nn.functional.silu(hidden), layer.weight, layer.bias)
+        return left + nn.functional.linear(nn.functional.silu(hidden), last.weight, last.bias)
 
 
 class SSDRowAttentionPredictor(nn.Module):

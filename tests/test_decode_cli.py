@@ -58,7 +58,8 @@ def test_ssd_method_names_set_mode_rounds_window_and_relaxation(tmp_path, classi
                           f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
     backbone = hydra.utils.instantiate(cfg.backbone)
     export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
-    names = ["ssd_exact", "ssd_exact_w8", "ssd_autocorrect_r2_prefix_w4_k2_d0.4", "ssd_autocorrect_r0_target"]
+    names = ["ssd_exact", "ssd_exact_w8", "ssd_autocorrect_r2_prefix_w4_k2_d0.4", "ssd_autocorrect_r0_target",
+             "ssd_exact_g2_la", "ssd_autocorrect_r3_la30"]
     cfg.decode.methods = names
     configs = {name: method.generate.keywords["config"] for name, method in build_methods(cfg, backbone).items()
                if name != "ar"}
@@ -68,3 +69,8 @@ def test_ssd_method_names_set_mode_rounds_window_and_relaxation(tmp_path, classi
     assert (relaxed.mode, relaxed.rounds, relaxed.correction, relaxed.window, relaxed.relax_k, relaxed.relax_delta) == (
         "autocorrect", 2, "prefix", 4, 2, 0.4)
     assert (configs["ssd_autocorrect_r0_target"].rounds, configs["ssd_autocorrect_r0_target"].correction) == (0, "target")
+    assert not configs["ssd_exact"].lookahead
+    assert (configs["ssd_exact_g2_la"].grid_steps, configs["ssd_exact_g2_la"].lookahead,
+            configs["ssd_exact_g2_la"].lookahead_confidence) == (2, True, 0.0)
+    assert (configs["ssd_autocorrect_r3_la30"].lookahead, configs["ssd_autocorrect_r3_la30"].lookahead_confidence) == (
+        True, 0.3)

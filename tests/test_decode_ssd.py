@@ -60,6 +60,18 @@ def test_autocorrect_resamples_every_rejection_in_the_same_pass():
     assert result.forward_passes == 1 + 4
 
 
+def test_lookahead_verifies_the_next_row_in_the_pass_that_finishes_this_one():
+    backbone = MockBackbone(rows=4, cols=5)
+    config = SSDDecodeConfig(mode="exact", lookahead=True)
+    result = generate_ssd(backbone, MockHeads(7, 1, 1), Condition(class_ids=torch.zeros(2, dtype=torch.long)), GREEDY,
+                          config=config)
+    assert all(torch.equal(t, backbone.target_tokens()) for t in result.tokens)
+    # Rows 0+1 in one pass, rows 2+3 in the next. A row verified early has its first token drafted too
+    # (rows 1 and 3: 5 drafts); a row starting its own pass gets it from the backbone (rows 0 and 2: 4).
+    assert result.forward_passes == 1 + 2
+    assert result.accepted_tokens == result.drafted_tokens == 2 * (4 + 5 + 4 + 5)
+
+
 def test_residual_distribution():
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.6, 0.2])
@@ -83,6 +95,28 @@ def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, 
                                config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps, window=window))
     assert torch.equal(speculative.tokens, baseline.tokens)
     assert speculative.forward_passes <= baseline.forward_passes
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("confidence", [0.0, 0.5])
+@pytest.mark.parametrize("grid", [False, True], ids=["vertical-drafts", "grid-drafts"])
+def test_lookahead_stays_lossless(tiny_backbone, cfg_scale, confidence, grid):
+    """Verifying the next row's drafts early changes the passes, never the greedy output."""
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
+    baseline = generate_ar(tiny_backbone, condition, sampling)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=5, grid=grid)
+    for config in (SSDDecodeConfig(mode="exact", grid_steps=2, lookahead=True, lookahead_confidence=confidence),
+                   SSDDecodeConfig(mode="autocorrect", rounds=8, lookahead=True, lookahead_confidence=confidence)):
+        assert torch.equal(generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens,
+                           baseline.tokens)
+
+
+def test_lookahead_needs_whole_row_passes():
+    with pytest.raises(ValueError, match="lookahead needs window 0"):
+        SSDDecodeConfig(lookahead=True, window=4)
+    with pytest.raises(ValueError, match="lookahead needs window 0"):
+        SSDDecodeConfig(mode="autocorrect", correction="target", lookahead=True)
 
 
 @pytest.mark.parametrize("correction", ["prefix", "target", "residual"])
@@ -131,6 +165,14 @@ def test_grid_head_prepared_row_equals_the_whole_mlp():
         torch.testing.assert_close(grid.from_above(prepared[:, column], inputs[2][:, column], inputs[3][:, column]),
                                    whole[:, column])
     torch.testing.assert_close(grid(*inputs), whole)
+    # The left token's share looked up from a per-codebook table (what decoding does per drafted token).
+    codebook = torch.randn(7, 16)
+    table, ids = grid.prepare_left_tokens(codebook), torch.tensor([3, 0, 6])
+    torch.testing.assert_close(grid.from_prepared(prepared[:, 2], inputs[2][:, 2], table[ids]),
+                               inputs[2][:, 2] + grid.mlp(torch.cat([grid.norms[0](inputs[0][:, 2]),
+                                                                     grid.norms[1](inputs[1][:, 2]),
+                                                                     grid.norms[2](inputs[2][:, 2]),
+                                                                     grid.norms[3](codebook[ids])], dim=-1)))
 
 
 def test_negative_grid_steps_are_refused():
@@ -158,9 +200,11 @@ def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
                          ids=["cfg", "temperature-topk"])
-@pytest.mark.parametrize("window,grid,grid_steps", [(0, False, 0), (1, False, 0), (0, True, 0), (0, True, 1)],
-                         ids=["whole-row", "window-1", "grid", "grid-1-step"])
-def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid, grid_steps):
+@pytest.mark.parametrize("window,grid,grid_steps,lookahead",
+                         [(0, False, 0, False), (1, False, 0, False), (0, True, 0, False), (0, True, 1, False),
+                          (0, True, 1, True)],
+                         ids=["whole-row", "window-1", "grid", "grid-1-step", "grid-lookahead"])
+def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid, grid_steps, lookahead):
     """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
     from scipy.stats import chisquare
 
@@ -174,7 +218,7 @@ def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid,
     result = generate_ssd(backbone, random_ssd_heads(16, seed=1, grid=grid), Condition(class_ids=torch.full((draws,), 4)),
                           sampling,
                           torch.Generator().manual_seed(0),
-                          SSDDecodeConfig(mode="exact", window=window, grid_steps=grid_steps))
+                          SSDDecodeConfig(mode="exact", window=window, grid_steps=grid_steps, lookahead=lookahead))
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     observed = {}
     for image in result.tokens.flatten(1).tolist():
