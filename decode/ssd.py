@@ -43,6 +43,14 @@ by row. For row ``r``:
      into stripes when drafts are rejected densely; see the README's figures.
      The reports put the quality metrics beside the baseline's.
 
+Lookahead (``lookahead``, exact and prefix): a pass that reaches the row's end
+may also feed the next row's drafts, drafted from this row as it stands (exact
+states left of the first open position, the heads' predicted states from
+there). If every image's row passes whole, the next row starts already
+verified against that pass (its first token is then a draft too); otherwise the
+extra tokens are dropped with the cache rollback. Lossless either way: it only
+changes which positions a pass verifies.
+
 Batching: all images of a batch work on the same row, so every pass feeds the
 same number of tokens and one cache length serves them all; an image that has
 finished its row re-feeds it unchanged until the others finish.
