@@ -44,11 +44,17 @@ class SSDHeadConfig:
     row_attention_layers: int = 0
     row_attention_heads: int = 4
     grid: bool = False  # a third head drafting each position from the state above and the state to its left
+    # The grid head also sees this many positions right of the one above (states and tokens): the backbone's
+    # state there has seen them (diagonal strokes), and the row above is known before the row is drafted, so
+    # they cost nothing per drafted token (they enter the once-per-row `prepare_above`).
+    grid_above_right: int = 0
 
     def __post_init__(self):
         for key in ("hidden_size", "width", "depth", "horizontal_unroll", "row_attention_heads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"head.{key} must be >= 1, got {getattr(self, key)}")
+        if self.grid_above_right < 0:
+            raise ValueError(f"head.grid_above_right must be >= 0, got {self.grid_above_right}")
         if self.row_attention_layers < 0:
             raise ValueError(f"head.row_attention_layers must be >= 0, got {self.row_attention_layers}")
         if self.row_attention_layers and self.width % self.row_attention_heads:
@@ -99,14 +105,19 @@ class SSDGridPredictor(nn.Module):
     """Grid head: (above state, above token, left state, left token), each (..., H) -> predicted state (..., H).
 
     An MLP on the four RMS-normalised inputs, residual on the left state (the
-    stronger single predictor), initialised to copy it.
+    stronger single predictor), initialised to copy it. With
+    ``grid_above_right = k`` it also reads the states and tokens of the k
+    positions right of the one above (the inputs from above are then whole rows,
+    (..., C, H): the last column's right neighbours repeat it).
     """
 
     def __init__(self, config: SSDHeadConfig):
         super().__init__()
         size = config.hidden_size
+        self.above_right = config.grid_above_right
         self.norms = nn.ModuleList(nn.RMSNorm(size) for _ in range(4))
-        self.mlp = residual_mlp(4 * size, config)
+        # Input layout: [above, above token, left, left token, (above + s, its token) for s = 1..k].
+        self.mlp = residual_mlp((4 + 2 * self.above_right) * size, config)
         # The MLP's Linear layers, for the per-token functional path (a plain tuple: not registered twice).
         self._linears = tuple(layer for layer in self.mlp if isinstance(layer, nn.Linear))
 
@@ -122,7 +133,15 @@ class SSDGridPredictor(nn.Module):
         """
         first, size = self.mlp[0], self.norms[0].normalized_shape[0]
         normed = torch.cat([self.norms[0](above), self.norms[1](above_embedding)], dim=-1)
-        return nn.functional.linear(normed, first.weight[:, : 2 * size], first.bias)
+        prepared = nn.functional.linear(normed, first.weight[:, : 2 * size], first.bias)
+        if self.above_right:
+            cols = above.shape[-2]
+            right = []
+            for shift in range(1, self.above_right + 1):
+                index = torch.arange(shift, cols + shift, device=above.device).clamp(max=cols - 1)
+                right += [normed[..., index, :]]
+            prepared = prepared + nn.functional.linear(torch.cat(right, dim=-1), first.weight[:, 4 * size :])
+        return prepared
 
     def from_above(self, prepared: torch.Tensor, left: torch.Tensor, left_embedding: torch.Tensor) -> torch.Tensor:
         """The predicted state from `prepare_above`'s output (..., width) and the left inputs (..., H) x 2."""
@@ -136,7 +155,7 @@ class SSDGridPredictor(nn.Module):
         normalising and projecting each one.
         """
         first, size = self.mlp[0], self.norms[0].normalized_shape[0]
-        return nn.functional.linear(self.norms[3](token_embeddings), first.weight[:, 3 * size :])
+        return nn.functional.linear(self.norms[3](token_embeddings), first.weight[:, 3 * size : 4 * size])
 
     def from_prepared(self, prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor) -> torch.Tensor:
         """The predicted state from the prepared above share, the left state (..., H) and the prepared left token.

@@ -175,6 +175,24 @@ def test_grid_head_prepared_row_equals_the_whole_mlp():
                                                                      grid.norms[3](codebook[ids])], dim=-1)))
 
 
+def test_grid_head_reads_the_positions_right_of_the_one_above():
+    """With grid_above_right = 2 the prepared row adds the states and tokens one and two columns right of the
+    one above (the last column's repeat it), as the MLP on the explicit inputs would."""
+    from heads.ssd import SSDHeadConfig, SSDHeads
+
+    torch.manual_seed(0)
+    grid = SSDHeads(SSDHeadConfig(hidden_size=16, width=8, depth=1, grid=True, grid_above_right=2)).grid
+    for parameter in grid.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    above, above_embedding, left, left_embedding = torch.randn(4, 3, 5, 16)  # (batch, columns, hidden) each
+    right = [torch.arange(shift, 5 + shift).clamp(max=4) for shift in (1, 2)]
+    explicit = torch.cat([grid.norms[0](above), grid.norms[1](above_embedding), grid.norms[2](left),
+                          grid.norms[3](left_embedding)]
+                         + [x for index in right for x in (grid.norms[0](above[:, index]),
+                                                           grid.norms[1](above_embedding[:, index]))], dim=-1)
+    torch.testing.assert_close(grid(above, above_embedding, left, left_embedding), left + grid.mlp(explicit))
+
+
 def test_negative_grid_steps_are_refused():
     with pytest.raises(ValueError, match="grid_steps must be >= 0"):
         SSDDecodeConfig(grid_steps=-1)
