@@ -15,7 +15,8 @@ the hidden state at an offset:
   ``x_{i - 1}``). The vertical head drafts a row in parallel and cannot see the
   tokens drawn to its left; the grid head drafts along the row, each position
   from its drafted (or, after a correction, exact) left neighbour and the row
-  above.
+  above (with ``grid_above_right = k`` also the k positions right of the one
+  above, which the backbone's state there has seen).
 
 Draft logits are the backbone's own frozen final norm and image head applied to
 the prediction, so a head predicts a continuous latent, not token ids (token-id
