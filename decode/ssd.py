@@ -249,7 +249,6 @@ def _draft_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, h_firs
     states (G, C, H) (the exact state at position 0), else None.
     """
     device = state_template.device
-    every_image = torch.arange(batch, device=device)
     row_tokens = torch.empty(batch, cols, dtype=torch.long, device=device)
     row_q = torch.zeros(batch, cols, drafter.backbone.codebook_size, device=device)
     row_states = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1]) if keep_states else None
@@ -262,13 +261,24 @@ def _draft_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, h_firs
         row_tokens[:, 0] = drafter.sample(row_q[:, 0])
         if keep_states:
             row_states[:, 0] = h_first[:, 0]
-        if above_prepared is not None:
-            drafter.along(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                          row_tokens[:, 0], above_prepared, grid_limit, row_states)  # the rest: vertical drafts
-        else:
-            drafter.horizontal(row_tokens, row_q, every_image, torch.zeros_like(every_image), h_first[:, 0],
-                               row_tokens[:, 0], _horizontal_steps(config, row, cols), row_states)
+        _draft_after_first(drafter, config, row, row_tokens, row_q, h_first[:, 0], above_prepared, grid_limit,
+                           row_states)
     return row_tokens, row_q, row_states
+
+
+def _draft_after_first(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, row_tokens, row_q, first_state,
+                       above_prepared, grid_limit: int, row_states) -> None:
+    """Re-draft a row along from its first token (state `first_state` (G, H)), in place: with the grid head
+    when `above_prepared` is given (up to `grid_limit`), else with the horizontal head; the rest keeps its
+    vertical drafts."""
+    every_image = torch.arange(row_tokens.shape[0], device=row_tokens.device)
+    first = torch.zeros_like(every_image)
+    if above_prepared is not None:
+        drafter.along(row_tokens, row_q, every_image, first, first_state, row_tokens[:, 0], above_prepared,
+                      grid_limit, row_states)
+    else:
+        drafter.horizontal(row_tokens, row_q, every_image, first, first_state, row_tokens[:, 0],
+                           _horizontal_steps(config, row, row_tokens.shape[1]), row_states)
 
 
 def _likely_complete(row_tokens: torch.Tensor, row_q: torch.Tensor, committed: torch.Tensor, threshold: float) -> bool:
@@ -281,9 +291,9 @@ def _likely_complete(row_tokens: torch.Tensor, row_q: torch.Tensor, committed: t
     return bool((log_product >= math.log(threshold)).all())
 
 
-def _draft_next_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row_hidden, row_states, row_tokens, committed,
-                    grid_limit: int, batch: int):
-    """The next row's drafts before this row is verified: (tokens to feed, tokens, q, predicted states).
+def _draft_next_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, row_hidden, row_states, row_tokens,
+                    committed, grid_limit: int):
+    """Row `row + 1`'s drafts before row `row` is verified: (tokens, q, predicted states).
 
     The row above is this row as it stands: exact states left of each image's first open position (their
     context is final), the heads' predictions from there on. The next row's first token is a draft too
@@ -293,15 +303,10 @@ def _draft_next_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row_hidden,
     known = torch.arange(cols, device=row_tokens.device)[None] < committed.repeat(drafter.twins)[:, None]  # (G, C)
     above = torch.where(known[..., None], row_hidden, row_states)
     next_tokens, next_q, next_states = drafter.vertical(above, row_tokens)
-    every_image = torch.arange(batch, device=row_tokens.device)
-    first = torch.zeros_like(every_image)
-    if getattr(drafter.heads, "grid", None) is not None:
-        drafter.along(next_tokens, next_q, every_image, first, next_states[:, 0], next_tokens[:, 0],
-                      drafter.prepare_above(above, row_tokens), grid_limit, next_states)
-    else:
-        drafter.horizontal(next_tokens, next_q, every_image, first, next_states[:, 0], next_tokens[:, 0],
-                           config.horizontal_steps, next_states)
-    return next_tokens, next_tokens, next_q, next_states
+    above_prepared = drafter.prepare_above(above, row_tokens) if getattr(drafter.heads, "grid", None) is not None else None
+    _draft_after_first(drafter, config, row + 1, next_tokens, next_q, next_states[:, 0], above_prepared, grid_limit,
+                       next_states)
+    return next_tokens, next_q, next_states
 
 
 @torch.inference_mode()
@@ -368,8 +373,8 @@ def generate_ssd(
                 feed = [tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]]
                 if (config.lookahead and row < rows - 1 and feed_end == row_start + cols
                         and _likely_complete(row_tokens, row_q, committed, config.lookahead_confidence)):
-                    next_row = _draft_next_row(drafter, config, row_hidden, row_states, row_tokens, committed,
-                                               grid_limit, batch)
+                    next_row = _draft_next_row(drafter, config, row, row_hidden, row_states, row_tokens, committed,
+                                               grid_limit)
                     feed.append(next_row[0])
                 out = backbone.step(state, torch.cat(feed, dim=1))  # out[:, j] predicts grid position start + j + 1
                 passes += 1
@@ -404,7 +409,7 @@ def generate_ssd(
                     committed = committed.clamp(min=extent)
                     if bool((committed >= cols).all()):
                         if next_row is not None:  # every image's row stands as fed: the next row's part is valid
-                            lookahead = (*next_row[1:], out[:, row_start + cols - start :])
+                            lookahead = (*next_row, out[:, row_start + cols - start :])
                         break
                     if config.mode == "autocorrect" and verify_passes > config.rounds:
                         break
@@ -452,21 +457,17 @@ def generate_ssd(
         # Which images' cache rows now hold exactly their final row (autocorrect may have resampled after the pass).
         fed_is_final = committed >= cols
         last_fed = feed_end == row_start + cols
-        if lookahead is not None:  # the next row's drafts are fed too; its first token is a draft to verify
+        if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
+            first_exact = torch.zeros_like(first_exact)
+            cache_valid = row_start + row_cached
+        elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
+            first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
+            cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
+        else:  # also after a lookahead pass: the next row is fed too, and starts with its first token to verify
             first_exact = torch.ones_like(first_exact)
             cache_valid = row_start + cols
-            h_first = out[:, row_start + cols - start - 1 : row_start + cols - start]
-        else:
-            if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
-                first_exact = torch.zeros_like(first_exact)
-                cache_valid = row_start + row_cached
-            elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
-                first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
-                cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
-            else:
-                first_exact = torch.ones_like(first_exact)
-                cache_valid = row_start + cols
-            h_first = out[:, row_start + cols - start - 1 : row_start + cols - start] if last_fed else None
+        # The state after this row's last token (a lookahead pass fed the next row after it).
+        h_first = out[:, row_start + cols - start - 1 : row_start + cols - start] if last_fed else None
         hidden_above, tokens_above = row_hidden, row_tokens
 
     return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,
