@@ -21,6 +21,9 @@ def test_decode_writes_metrics_pngs_and_tokens(tmp_path, classifier_cache):
         assert key in ar
     assert set(ar["quality"]) == {"classifier_accuracy", "frechet_distance"}
     assert ar["forward_passes_per_image"] == 64 and ar["speedup_vs_ar"] == 1.0
+    # The passes are part of the wall-clock, so the bound on the speedup is never below the speedup itself.
+    assert 0 < ar["backbone_seconds_per_image"] <= ar["seconds_per_image"]
+    assert ar["speedup_bound_vs_ar"] >= ar["speedup_vs_ar"]
     assert (out / "ar.png").is_file()
     tokens = np.load(out / "tokens_ar.npy")
     assert tokens.shape == (6, 8, 8) and tokens.dtype == np.int64

@@ -1,0 +1,76 @@
+"""Where a method's time goes: seconds inside the backbone's forward passes, apart from the rest.
+
+A speculative decoder's wall-clock is its backbone passes plus everything else
+(drafting, verification, bookkeeping). The benchmark reports the first part
+separately, because it bounds what any drafting optimisation can buy: a method
+can never run faster than its passes, so ``AR seconds / backbone seconds`` is
+the speedup it would reach if drafting and verification were free. On a CPU,
+where a pass over a row costs a multiple of a one-token step, that bound is
+what limits the speedup; on a GPU at small batch, the rest usually does.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from backbones.base import ARImageBackbone
+
+
+class BackboneClock:
+    """Accumulates the time spent in `prefill` and `step` of one backbone.
+
+    CPU: wall-clock around each call. CUDA: a pair of events around each call on
+    the current stream, summed at `seconds` (one synchronisation at the end), so
+    the clock does not stall the GPU between passes.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._cpu_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def time(self, call):
+        """`call` wrapped so that every invocation adds to this clock."""
+
+        def timed(*args, **kwargs):
+            if self.cuda:
+                began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                began.record()
+                result = call(*args, **kwargs)
+                ended.record()
+                self._events.append((began, ended))
+                return result
+            began = time.perf_counter()
+            result = call(*args, **kwargs)
+            self._cpu_seconds += time.perf_counter() - began
+            return result
+
+        return timed
+
+    @property
+    def seconds(self) -> float:
+        """Total seconds inside the timed calls so far."""
+        if not self._events:
+            return self._cpu_seconds
+        torch.cuda.synchronize()
+        return self._cpu_seconds + sum(began.elapsed_time(ended) for began, ended in self._events) / 1000
+
+
+@contextmanager
+def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
+    """Time every `prefill` and `step` of `backbone` inside the block (the instance's methods, restored after).
+
+    Only this backbone's passes are timed: a MuLo-SD drafter's own small model
+    is drafting, not verification.
+    """
+    clock = BackboneClock(next(backbone.parameters()).device)
+    backbone.prefill = clock.time(backbone.prefill)
+    backbone.step = clock.time(backbone.step)
+    try:
+        yield clock
+    finally:
+        del backbone.prefill, backbone.step  # the class's methods show through again

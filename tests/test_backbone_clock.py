@@ -1,0 +1,37 @@
+"""The benchmark's split of a method's time: inside the backbone's passes, and the rest."""
+
+import torch
+from mock_backbone import MockBackbone
+
+import decode.backbone_clock as backbone_clock
+from backbones.base import Condition
+
+
+class FakeClock:
+    """perf_counter for the clock under test: time moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_clock_counts_only_the_backbone_passes_and_restores_the_methods(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(backbone_clock, "time", fake)
+    backbone = MockBackbone()
+    real_step = type(backbone).step
+
+    def slow_step(self, state, tokens):  # every pass takes 0.25 s of fake time
+        fake.now += 0.25
+        return real_step(self, state, tokens)
+
+    monkeypatch.setattr(type(backbone), "step", slow_step)
+    with backbone_clock.clock_backbone_passes(backbone) as clock:
+        state, _ = backbone.prefill(Condition(class_ids=torch.tensor([0])), guided=False)
+        for _ in range(3):
+            backbone.step(state, torch.zeros(1, 1, dtype=torch.long))
+            fake.now += 1.0  # drafting and verification: not the backbone's time
+    assert clock.seconds == 0.75
+    assert "step" not in vars(backbone) and "prefill" not in vars(backbone)
