@@ -248,6 +248,17 @@ class ARImageBackbone(nn.Module, ABC):
         logits = self.logits(hidden)
         return self.guide(logits, cfg_scale) if state.guided else logits.float()
 
+    def draft_scorer(self, state: DecodeState, cfg_scale: float):
+        """A function for drafting loops: hidden states of cache rows (rows, ..., hidden) -> scores (rows / twins, ..., V).
+
+        The same scores as `scores` up to float rounding. Drafters call it once per
+        drafted token, where each kernel's launch costs as much as its work, so a
+        family may fold its final norm, image head and guidance into fewer
+        kernels. Only drafts use it: a draft's distribution is whatever it was
+        drawn from, and targets always come from `scores`.
+        """
+        return lambda hidden: self.scores(state, hidden, cfg_scale)
+
     @torch.no_grad()
     def teacher_forced_hidden(self, condition: Condition, tokens: torch.Tensor, guided: bool = False) -> torch.Tensor:
         """Hidden states for whole known images (B, N) -> (rows, N, hidden); ``out[:, i]`` predicts token i."""

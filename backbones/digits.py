@@ -143,6 +143,19 @@ class DigitsBackbone(ARImageBackbone):
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embed(tokens)
 
+    def draft_scorer(self, state: DecodeState, cfg_scale: float):
+        """Final norm, head and guidance in three kernels: guided = s * head(c) + (1 - s) * head(u) is one
+        product of the twins' normed states side by side with the head's weight scaled twice."""
+        size, eps = self.norm.weight.shape[0], self.norm.variance_epsilon
+
+        def normed(hidden: torch.Tensor) -> torch.Tensor:
+            return nn.functional.rms_norm(hidden.float(), (size,), self.norm.weight, eps)
+
+        if not state.guided:
+            return lambda hidden: nn.functional.linear(normed(hidden), self.head.weight)
+        folded = torch.cat([cfg_scale * self.head.weight, (1 - cfg_scale) * self.head.weight], dim=1)  # (V, 2H)
+        return lambda hidden: nn.functional.linear(torch.cat(normed(hidden).chunk(2), dim=-1), folded)
+
     def codebook_latents(self) -> torch.Tensor:
         return self.tokenizer.codebook_latents().to(self._device())
 

@@ -159,19 +159,32 @@ class SSDGridPredictor(nn.Module):
         return nn.functional.linear(self.norms[3](token_embeddings), first.weight[:, 3 * size : 4 * size])
 
     def from_prepared(self, prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor) -> torch.Tensor:
-        """The predicted state from the prepared above share, the left state (..., H) and the prepared left token.
+        """The predicted state from the prepared above share, the left state (..., H) and the prepared left token."""
+        return self.drafting_step()(prepared_above, left, prepared_left_token)
 
-        Decoding calls this once per drafted token, where each module call's
-        overhead costs as much as its kernel: the layers are applied functionally.
+    def drafting_step(self):
+        """`from_prepared` as a function over contiguous copies of the weights it uses, for per-token loops.
+
+        Decoding calls it once per drafted token, where each module call's and
+        each strided weight slice's overhead costs as much as the kernel: the
+        layers are applied functionally, the left-state slice of the first layer
+        copied once. Make a new one after the weights change.
         """
         first, *hidden_layers, last = self._linears
+        size = self.norms[0].normalized_shape[0]
+        left_weight = first.weight[:, 2 * size : 3 * size].contiguous().t()  # (H, width)
         left_norm = self.norms[2]
-        normed = nn.functional.rms_norm(left, left_norm.normalized_shape, left_norm.weight, left_norm.eps)
-        size = left.shape[-1]
-        hidden = prepared_above + prepared_left_token + nn.functional.linear(normed, first.weight[:, 2 * size : 3 * size])
-        for layer in hidden_layers:
-            hidden = nn.functional.linear(nn.functional.silu(hidden), layer.weight, layer.bias)
-        return left + nn.functional.linear(nn.functional.silu(hidden), last.weight, last.bias)
+
+        def step(prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor) -> torch.Tensor:
+            flat_left = left.reshape(-1, size)
+            normed = nn.functional.rms_norm(flat_left, (size,), left_norm.weight, left_norm.eps)
+            shares = (prepared_above + prepared_left_token).reshape(len(flat_left), -1)
+            hidden = torch.addmm(shares, normed, left_weight)
+            for layer in hidden_layers:
+                hidden = nn.functional.linear(nn.functional.silu(hidden), layer.weight, layer.bias)
+            return (flat_left + nn.functional.linear(nn.functional.silu(hidden), last.weight, last.bias)).view_as(left)
+
+        return step
 
 
 class SSDRowAttentionPredictor(nn.Module):

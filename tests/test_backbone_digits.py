@@ -58,6 +58,19 @@ def test_guidance_mixes_on_logits_and_scale_one_is_conditional(tiny_backbone):
     torch.testing.assert_close(tiny_backbone.scores(state, hidden, 1.0), cond)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("guided, scale", [(True, 3.0), (True, 0.5), (False, 1.0)])
+def test_draft_scorer_gives_the_guided_scores(tiny_backbone, guided, scale):
+    """The folded norm + head + guidance the drafters use per token equals `scores`, for any batch of twins
+    and any leading shape (a chain step's (rows, H), a row's (rows, C, H))."""
+    state, _ = tiny_backbone.prefill(Condition(class_ids=torch.tensor([1, 4, 7])), guided=guided)
+    draft_scores = tiny_backbone.draft_scorer(state, scale)
+    rows = 4 if guided else 2  # a subset of the batch's images, as a chain drafts for the images still open
+    for shape in ((rows, TINY_BACKBONE["hidden_size"]), (rows, 5, TINY_BACKBONE["hidden_size"])):
+        hidden = 3 * torch.randn(shape)
+        torch.testing.assert_close(draft_scores(hidden), tiny_backbone.scores(state, hidden, scale))
+
+
 def test_logits_of_the_pre_norm_hidden_state_are_the_models_logits(tiny_backbone):
     tokens = torch.randint(0, 8, (2, 64))
     class_ids = torch.tensor([3, 8])
