@@ -35,3 +35,35 @@ def test_clock_counts_only_the_backbone_passes_and_restores_the_methods(monkeypa
             fake.now += 1.0  # drafting and verification: not the backbone's time
     assert clock.seconds == 0.75
     assert "step" not in vars(backbone) and "prefill" not in vars(backbone)
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event for the CUDA branch without a GPU: records the fake time, reports milliseconds."""
+
+    def __init__(self, clock, enable_timing):
+        assert enable_timing
+        self.clock, self.at = clock, None
+
+    def record(self):
+        self.at = self.clock.now
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000
+
+
+def test_cuda_clock_sums_event_pairs_and_synchronises_once(monkeypatch):
+    """On CUDA the clock records an event pair around each pass and reads them all at the end."""
+    fake, synchronised = FakeClock(), []
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: FakeCudaEvent(fake, enable_timing))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronised.append(True))
+    clock = backbone_clock.BackboneClock(torch.device("cuda"))
+
+    def gpu_pass():
+        fake.now += 0.5
+
+    timed = clock.time(gpu_pass)
+    for _ in range(4):
+        timed()
+        fake.now += 2.0  # the host's work between passes is not counted
+    assert not synchronised  # no synchronisation while passes are being issued
+    assert clock.seconds == 2.0 and synchronised == [True]
