@@ -144,8 +144,9 @@ class DigitsBackbone(ARImageBackbone):
         return self.token_embed(tokens)
 
     def draft_scorer(self, state: DecodeState, cfg_scale: float):
-        """Final norm, head and guidance in three kernels: guided = s * head(c) + (1 - s) * head(u) is one
-        product of the twins' normed states side by side with the head's weight scaled twice."""
+        """Final norm, head and guidance in three calls (norm, concatenation, one product): guided =
+        s * head(c) + (1 - s) * head(u) is one product of the twins' normed states side by side with the
+        head's weight scaled twice."""
         size, eps = self.norm.weight.shape[0], self.norm.variance_epsilon
 
         def normed(hidden: torch.Tensor) -> torch.Tensor:
