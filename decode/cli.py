@@ -62,7 +62,8 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     (grid head re-drafts G positions after each correction), ``_la[<C>]`` (lookahead into the next row,
     at confidence C/100) and
     ``_k<K>_d<delta>`` (LANTERN relaxation; not lossless); ``mulo``, ``mulo_exact`` and
-    ``mulo_k<K>_d<delta>_r<rho>[_rounds<R>]``.
+    ``mulo_k<K>_d<delta>_r<rho>[_rounds<R>][_nearest|_bilinear|_bicubic][_point]`` (the upsampler's
+    interpolation; ``_point``: drafts verified as point proposals).
     """
     names = list(dict.fromkeys(cfg.decode.methods))
     if "ar" not in names:
@@ -91,20 +92,22 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
                                   relax_k=int(relax_k) if relax_k else cfg.decode.ssd.relax_k,
                                   relax_delta=float(relax_delta) if relax_delta else cfg.decode.ssd.relax_delta)
             methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
-        elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?(?:_rounds(\d+))?", name):
+        elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?(?:_rounds(\d+))?(?:_(nearest|bilinear|bicubic))?(_point)?", name):
             drafter = drafter or load_heads(cfg.decode.mulo.drafter, backbone, device=next(backbone.parameters()).device,
                                             kind="mulo")
-            exact, k, delta, radius, rounds = match.groups()
+            exact, k, delta, radius, rounds, upsample_mode, point = match.groups()
             mulo = MuLoDecodeConfig(mode="exact" if exact else "relaxed",
                                     k=int(k) if k else cfg.decode.mulo.k,
                                     delta=float(delta) if delta else cfg.decode.mulo.delta,
                                     radius=int(radius) if radius else cfg.decode.mulo.radius,
-                                    upsample_mode=cfg.decode.mulo.upsample_mode,
-                                    rounds=int(rounds) if rounds else cfg.decode.mulo.rounds)
+                                    upsample_mode=upsample_mode or cfg.decode.mulo.upsample_mode,
+                                    rounds=int(rounds) if rounds else cfg.decode.mulo.rounds,
+                                    proposal="point" if point else cfg.decode.mulo.proposal,
+                                    drafter_cfg_scale=cfg.decode.mulo.drafter_cfg_scale)
             methods[name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo))
         else:
             raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
-                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_g<G>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>[_rounds<R>]")
+                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_g<G>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>[_rounds<R>][_nearest|_bilinear|_bicubic][_point]")
     return methods
 
 

@@ -77,3 +77,32 @@ def test_ssd_method_names_set_mode_rounds_window_and_relaxation(tmp_path, classi
             configs["ssd_exact_g2_la"].lookahead_confidence) == (2, True, 0.0)
     assert (configs["ssd_autocorrect_r3_la30"].lookahead, configs["ssd_autocorrect_r3_la30"].lookahead_confidence) == (
         True, 0.3)
+
+
+def test_mulo_method_names_set_mode_operating_point_rounds_and_proposal(tmp_path, classifier_cache):
+    import hydra
+
+    from decode.cli import build_methods
+    from heads.export import export_heads
+    from heads.mulo import MuLoDrafter, MuLoDrafterConfig
+
+    cfg = compose_config(["backbone=digits_tiny", f"decode.mulo.drafter={tmp_path / 'drafter'}", f"decode.out={tmp_path}",
+                          f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
+    backbone = hydra.utils.instantiate(cfg.backbone)
+    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
+                                                         intermediate_size=32))
+    export_heads(drafter, tmp_path / "drafter", backbone.identity())
+    cfg.decode.methods = ["mulo", "mulo_exact", "mulo_k6_d0.5_r0", "mulo_k2_d0.1_r2_rounds1_bicubic_point"]
+    configs = {name: method.generate.keywords["config"] for name, method in build_methods(cfg, backbone).items()
+               if name != "ar"}
+    default = configs["mulo"]
+    assert (default.mode, default.k, default.delta, default.radius, default.rounds, default.proposal) == (
+        "relaxed", cfg.decode.mulo.k, cfg.decode.mulo.delta, cfg.decode.mulo.radius, 0, "drafter")
+    assert configs["mulo_exact"].mode == "exact"
+    assert (configs["mulo_k6_d0.5_r0"].k, configs["mulo_k6_d0.5_r0"].delta, configs["mulo_k6_d0.5_r0"].radius) == (6, 0.5, 0)
+    assert default.upsample_mode == cfg.decode.mulo.upsample_mode
+    last = configs["mulo_k2_d0.1_r2_rounds1_bicubic_point"]
+    assert (last.k, last.delta, last.radius, last.rounds, last.upsample_mode, last.proposal) == (
+        2, 0.1, 2, 1, "bicubic", "point")
+    with pytest.raises(ValueError, match="unknown decode method"):
+        build_methods(compose_config(["backbone=digits_tiny", "decode.methods=[mulo_pointy]"], tmp_path), backbone)

@@ -9,12 +9,14 @@ from backbones.digits import random_digits_backbone
 from decode import SamplingConfig, generate_ar
 from decode.mulo import (
     MuLoDecodeConfig,
+    block_proposals,
     count_islands,
     generate_mulo,
     islands,
     latent_neighbours,
     pooled_neighbour_mass,
     relaxed_accept,
+    upsample_block,
 )
 from heads.export import HeadsMismatchError, export_heads, load_heads
 from heads.mulo import (
@@ -69,6 +71,34 @@ def test_relaxed_acceptance_follows_the_formula_and_reduces_to_standard_with_del
     assert relaxed_accept(p, torch.tensor([1, 2, 2, 2]), neighbours, 0.5, greedy=True, uniform=u).tolist() == [True] * 4
 
 
+def test_relaxed_acceptance_divides_by_the_proposal_probability():
+    neighbours = torch.tensor([[1, 2], [0, 2], [1, 0]])
+    p = torch.tensor([[0.2, 0.5, 0.3]] * 4)
+    x = torch.tensor([0, 0, 2, 2])
+    q_x = torch.tensor([0.4, 0.4, 0.3, 0.3])
+    u = torch.tensor([0.45, 0.55, 0.99, 0.0])
+    # delta = 0: accept with probability min(1, p(x) / q(x)): 0.5, 0.5, 1, 1
+    assert relaxed_accept(p, x, neighbours, 0.0, greedy=False, uniform=u, q_of_tokens=q_x).tolist() == \
+        [True, False, True, True]
+    # delta = 0.5: x=0 pools p(1) -> min(1, 0.7 / 0.4) = 1
+    assert relaxed_accept(p, x, neighbours, 0.5, greedy=False, uniform=u, q_of_tokens=q_x).all()
+    # a drafter that proposes exactly p is always accepted, whatever the uniform
+    u = torch.rand(4)
+    assert relaxed_accept(p, x, neighbours, 0.0, False, u, q_of_tokens=p.gather(-1, x[:, None])[:, 0]).all()
+
+
+def test_block_proposals_take_the_drafters_cell_distribution_where_the_upsampler_kept_the_token():
+    low_tokens = torch.tensor([[1, 2]])  # one low-res row of 2 cells, r = 2 -> a block of 2 rows x 4 columns
+    low_q = torch.tensor([[[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]]])
+    block = torch.tensor([[1, 1, 2, 0,
+                           1, 2, 2, 2]])  # positions 3 and 5 were changed by the upsampler
+    q = block_proposals(low_tokens, low_q, block, scale=2)
+    assert q.shape == (1, 8, 3)
+    for position, cell in [(0, 0), (1, 0), (2, 1), (4, 0), (6, 1), (7, 1)]:
+        assert torch.equal(q[0, position], low_q[0, cell])
+    assert q[0, 3].tolist() == [1.0, 0.0, 0.0] and q[0, 5].tolist() == [0.0, 0.0, 1.0]  # point proposals
+
+
 # ---- islands -----------------------------------------------------------------------------------
 
 def test_islands_are_8_connected_and_grow_by_the_radius_within_borders():
@@ -95,6 +125,19 @@ def test_upsampler_round_trip_on_piecewise_constant_images(backbone12):
     assert high.shape == (5, 12, 12)
     assert torch.equal(high[:, ::3, ::3], low) and torch.equal(high[:, 2::3, 1::3], low)  # constant 3x3 cells
     assert torch.equal(downsample_to_drafter(high, backbone12, drafter, 3), low)
+
+
+def test_interpolating_upsampler_blends_a_block_into_the_committed_rows_above(backbone12):
+    drafter = random_drafter(scale=3).model
+    low_row = torch.zeros(2, 4, dtype=torch.long)  # black
+    above = torch.full((2, 2, 4), 7)  # white (8 levels)
+    nearest = upsample_block(low_row, above, drafter, backbone12, 3, "nearest")
+    assert nearest.shape == (2, 3, 12) and (nearest == 0).all()  # nearest repeats the row, whatever is above
+    blended = upsample_block(low_row, above, drafter, backbone12, 3, "bilinear")
+    assert blended.shape == (2, 3, 12)
+    assert (blended[:, 0] > 0).all() and (blended[:, -1] == 0).all()  # top row blends upwards, bottom row is the row's
+    alone = upsample_block(low_row, above[:, :0], drafter, backbone12, 3, "bicubic")  # the first row has nothing above
+    assert (alone == 0).all()
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -128,6 +171,20 @@ def test_relaxed_rounds_re_verify_blocks_with_resampled_islands(backbone12):
     everything = generate_mulo(backbone12, random_drafter(), condition, sampling, torch.Generator().manual_seed(0),
                                MuLoDecodeConfig(rounds=3, k=backbone12.codebook_size - 1, delta=1.0))
     assert everything.forward_passes == 1 + 12 // 3
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_rounds_settle_open_tokens_in_raster_order_so_greedy_mulo_can_be_greedy_ar(backbone12, cfg_scale):
+    # One island over the whole block (radius >= block width), delta = 0 and a round per token: every token
+    # is re-tested until everything before it is final, so the image must be greedy AR's, token for token.
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    condition = Condition(class_ids=torch.tensor([0, 5, 9]))
+    baseline = generate_ar(backbone12, condition, sampling)
+    config = MuLoDecodeConfig(delta=0.0, radius=12, rounds=3 * 12)
+    result = generate_mulo(backbone12, random_drafter(), condition, sampling, config=config)
+    assert torch.equal(result.tokens, baseline.tokens)
+    # The random drafter's blocks were rejected, so rounds ran; each round fixes at least one token.
+    assert 1 + 12 // 3 < result.forward_passes <= 1 + 12 * 12 + 12 // 3
 
 
 # ---- export --------------------------------------------------------------------------------------
