@@ -150,9 +150,17 @@ def upsample_block(low_row: torch.Tensor, committed_above: torch.Tensor, drafter
     top rows blend into the image above; below, the row's edge is replicated.
     """
     context = 0 if mode == "nearest" else 2
-    strip = torch.cat([committed_above[:, committed_above.shape[1] - min(context, committed_above.shape[1]):],
-                       low_row[:, None]], dim=1)
+    strip = torch.cat([committed_above[:, max(0, committed_above.shape[1] - context):], low_row[:, None]], dim=1)
     return upsample_to_backbone(strip, drafter, backbone, scale, mode, resample, latents)[:, -scale:]
+
+
+def _without(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """p (..., V) with each rejected point draft `tokens` (...) removed: the residual of a point proposal.
+
+    Unnormalised (`sample_from` does not need it); p itself where the draft held all the mass.
+    """
+    residual = p.scatter(-1, tokens[..., None], 0.0)
+    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
 
 
 def _first(mask: torch.Tensor, none: int) -> torch.Tensor:
@@ -213,6 +221,7 @@ def generate_mulo(
     use_drafter_q = config.mode == "relaxed" and config.proposal == "drafter" and not sampling.greedy
     tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
     committed_low = torch.empty(batch, rows // scale, small_cols, dtype=torch.long, device=device)  # downsampled
+    position = torch.arange(scale * cols, device=device)[None]  # of each token in a block
     passes, drafted, accepted = 1, 0, 0
     cache_valid = 0  # grid tokens whose cache entries are final for every image
 
@@ -252,7 +261,6 @@ def generate_mulo(
             block_states[:, fresh:] = out[:, first_fresh - cache_valid - 1 : first_fresh - cache_valid - 1 + block - fresh]
             block_p = token_distribution(backbone.scores(state, block_states, sampling.cfg_scale), sampling)  # (B, r*cols, V)
             uniform = torch.rand(batch, block, generator=generator, device=device)
-            position = torch.arange(block, device=device)[None]
 
             if config.mode == "exact":
                 px = block_p.gather(-1, block_tokens[..., None])[..., 0]
@@ -268,10 +276,8 @@ def generate_mulo(
                     cache_valid = block_start + block
                     break
                 at = first_rejected[rejected_images]
-                target = block_p[rejected_images, at]
-                residual = target.scatter(-1, block_tokens[rejected_images, at][:, None], 0.0)
-                residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target)
-                block_tokens[rejected_images, at] = sample_from(residual / residual.sum(-1, keepdim=True), generator)
+                residual = _without(block_p[rejected_images, at], block_tokens[rejected_images, at])
+                block_tokens[rejected_images, at] = sample_from(residual, generator)
                 committed = torch.where(first_rejected < block, first_rejected + 1, block)
                 if low_row == rows // scale - 1 and bool((committed >= block).all()):
                     break
@@ -296,17 +302,16 @@ def generate_mulo(
                     # later ones too would update coupled neighbours at once, which oscillates into stripes.
                     rejected_open = open_tokens & ~passed
                     redrawn = rejected_open & (position == _first(rejected_open, block)[:, None])
-                    redraw = block_p.scatter(-1, block_tokens[..., None], 0.0)  # p without the rejected token
-                    redraw = torch.where(redraw.sum(-1, keepdim=True) > 0, redraw, block_p)
+                    redraw = _without(block_p, block_tokens)
                     candidates = open_tokens
                 if redrawn.any():
                     block_tokens[redrawn] = sample_from(redraw[redrawn], generator)  # all islands at once
                     cache_valid = block_start + int(_first(redrawn, block).min())  # the next pass re-feeds from there
+                else:
+                    cache_valid = block_start + block
                 # Up to the first redrawn token, every p saw final tokens only: those tokens are final; after it
                 # open tokens keep their stale draws and stay open.
                 open_tokens = candidates & (position > _first(redrawn, block)[:, None])
-                if not redrawn.any():
-                    cache_valid = block_start + block
                 if open_tokens.any() and verify_passes <= config.rounds:
                     continue  # re-verify the open tokens with the redrawn ones in context
                 h_first = out[:, -1:]
