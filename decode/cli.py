@@ -55,15 +55,15 @@ class Method:
 def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Method]:
     """The generators this run compares, by name, the baseline first.
 
-    Names: ``ar`` (KV-cached baseline), ``ar_seed<K>`` (the baseline again with seed + K,
-    for its seed-to-seed band), ``ssd_exact``, ``ssd_autocorrect`` (rounds from
+    Names: ``ar`` (KV-cached baseline), ``ssd_exact``, ``ssd_autocorrect`` (rounds from
     ``decode.ssd.rounds``) and ``ssd_autocorrect_r<K>`` (K rounds), with optional suffixes
     ``_target|_residual|_prefix`` (autocorrect's correction), ``_w<W>`` (verification window), ``_g<G>``
     (grid head re-drafts G positions after each correction), ``_la[<C>]`` (lookahead into the next row,
     at confidence C/100) and
     ``_k<K>_d<delta>`` (LANTERN relaxation; not lossless); ``mulo``, ``mulo_exact`` and
     ``mulo_k<K>_d<delta>_r<rho>[_rounds<R>][_nearest|_bilinear|_bicubic][_point]`` (the upsampler's
-    interpolation; ``_point``: drafts verified as point proposals).
+    interpolation; ``_point``: drafts verified as point proposals). Any name + ``_seed<K>`` runs that
+    method again with seed + K (``ar_seed1``, ``mulo_seed2``: seed-to-seed bands in one run).
     """
     names = list(dict.fromkeys(cfg.decode.methods))
     if "ar" not in names:
@@ -71,11 +71,12 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     names = ["ar"] + [name for name in names if name != "ar"]
     heads = drafter = None
     methods = {}
-    for name in names:
+    for full_name in names:
+        # Any method + _seed<K>: the same method sampled with seed + K (its own seed-to-seed band).
+        name, seed_suffix = re.fullmatch(r"(.+?)(?:_seed(\d+))?", full_name).groups()
+        seed_offset = int(seed_suffix) if seed_suffix else 0
         if name == "ar":
-            methods[name] = Method(generate_ar)
-        elif re.fullmatch(r"ar_seed\d+", name):
-            methods[name] = Method(generate_ar, seed_offset=int(name.removeprefix("ar_seed")))
+            methods[full_name] = Method(generate_ar, seed_offset)
         elif match := re.fullmatch(r"ssd_(exact|autocorrect(?:_r(\d+))?(?:_(target|residual|prefix))?)"
                                    r"(?:_w(\d+))?(?:_g(\d+))?(?:_la(\d*))?(?:_k(\d+)_d([\d.]+))?", name):
             heads = heads or load_heads(cfg.decode.heads, backbone, device=next(backbone.parameters()).device, kind="ssd")
@@ -91,7 +92,7 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
                                                         else cfg.decode.ssd.lookahead_confidence),
                                   relax_k=int(relax_k) if relax_k else cfg.decode.ssd.relax_k,
                                   relax_delta=float(relax_delta) if relax_delta else cfg.decode.ssd.relax_delta)
-            methods[name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd))
+            methods[full_name] = Method(partial(_generate_ssd_with, heads=heads, config=ssd), seed_offset)
         elif match := re.fullmatch(r"mulo(_exact)?(?:_k(\d+))?(?:_d([\d.]+))?(?:_r(\d+))?(?:_rounds(\d+))?(?:_(nearest|bilinear|bicubic))?(_point)?", name):
             drafter = drafter or load_heads(cfg.decode.mulo.drafter, backbone, device=next(backbone.parameters()).device,
                                             kind="mulo")
@@ -104,10 +105,10 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
                                     rounds=int(rounds) if rounds else cfg.decode.mulo.rounds,
                                     proposal="point" if point else cfg.decode.mulo.proposal,
                                     drafter_cfg_scale=cfg.decode.mulo.drafter_cfg_scale)
-            methods[name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo))
+            methods[full_name] = Method(partial(_generate_mulo_with, drafter=drafter, config=mulo), seed_offset)
         else:
-            raise ValueError(f"unknown decode method {name!r}; available: ar, ar_seed<K>, ssd_exact, "
-                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_g<G>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>[_rounds<R>][_nearest|_bilinear|_bicubic][_point]")
+            raise ValueError(f"unknown decode method {full_name!r}; available: ar, ssd_exact, "
+                             "ssd_autocorrect, ssd_autocorrect_r<K>[_target|_residual|_prefix], any ssd_ method + [_w<W>][_g<G>][_k<K>_d<delta>], mulo, mulo_exact, mulo_k<K>_d<delta>_r<rho>[_rounds<R>][_nearest|_bilinear|_bicubic][_point], each + [_seed<K>]")
     return methods
 
 

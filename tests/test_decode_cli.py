@@ -106,3 +106,26 @@ def test_mulo_method_names_set_mode_operating_point_rounds_and_proposal(tmp_path
         2, 0.1, 2, 1, "bicubic", "point")
     with pytest.raises(ValueError, match="unknown decode method"):
         build_methods(compose_config(["backbone=digits_tiny", "decode.methods=[mulo_pointy]"], tmp_path), backbone)
+
+
+def test_seed_suffix_reruns_any_method_with_an_offset_seed(tmp_path, classifier_cache):
+    import hydra
+
+    from decode.cli import build_methods
+    from heads.export import export_heads
+    from heads.mulo import MuLoDrafter, MuLoDrafterConfig
+
+    cfg = compose_config(["backbone=digits_tiny", f"decode.out={tmp_path}", f"paths.checkpoints_dir={classifier_cache}",
+                          "decode.methods=[ar_seed2,mulo_exact_seed1,mulo_exact]"], tmp_path)
+    backbone = hydra.utils.instantiate(cfg.backbone)
+    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
+                                                         intermediate_size=32))
+    export_heads(drafter, tmp_path / "drafter", backbone.identity())
+    cfg.decode.mulo.drafter = str(tmp_path / "drafter")
+    methods = build_methods(cfg, backbone)
+    assert list(methods) == ["ar", "ar_seed2", "mulo_exact_seed1", "mulo_exact"]
+    assert [m.seed_offset for m in methods.values()] == [0, 2, 1, 0]
+    assert methods["ar_seed2"].generate is methods["ar"].generate
+    assert methods["mulo_exact_seed1"].generate.keywords["config"] == methods["mulo_exact"].generate.keywords["config"]
+    with pytest.raises(ValueError, match="unknown decode method 'mulo_seed'"):
+        build_methods(compose_config(["backbone=digits_tiny", "decode.methods=[mulo_seed]"], tmp_path), backbone)
