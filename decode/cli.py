@@ -73,7 +73,7 @@ def build_methods(cfg: DictConfig, backbone: ARImageBackbone) -> dict[str, Metho
     methods = {}
     for full_name in names:
         # Any method + _seed<K>: the same method sampled with seed + K (its own seed-to-seed band).
-        name, seed_suffix = re.fullmatch(r"(.+?)(?:_seed(\d+))?", full_name).groups()
+        name, seed_suffix = re.fullmatch(r"(.*?)(?:_seed(\d+))?", full_name).groups()
         seed_offset = int(seed_suffix) if seed_suffix else 0
         if name == "ar":
             methods[full_name] = Method(generate_ar, seed_offset)

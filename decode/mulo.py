@@ -237,9 +237,8 @@ def generate_mulo(
                 small_hidden = small.step(small_state, low_tokens[-1])
         low_row_tokens = torch.cat(low_tokens, dim=1)  # (B, small_cols)
         # 2. Upsample to r backbone rows.
-        draft = upsample_block(low_row_tokens, committed_low[:, :low_row], small, backbone, scale,
-                               config.upsample_mode, resample, latents).flatten(1)
-        block_tokens = draft.clone()  # (B, r * cols)
+        block_tokens = upsample_block(low_row_tokens, committed_low[:, :low_row], small, backbone, scale,
+                                      config.upsample_mode, resample, latents).flatten(1)  # (B, r * cols)
         block_q = None  # point proposals
         if use_drafter_q:
             block_q = block_proposals(low_row_tokens, torch.cat(low_q, dim=1), block_tokens, scale)

@@ -79,19 +79,25 @@ def test_ssd_method_names_set_mode_rounds_window_and_relaxation(tmp_path, classi
         True, 0.3)
 
 
+def _export_tiny_drafter(backbone, directory):
+    """A random one-layer MuLo drafter (r = 2) for `backbone`, exported to `directory`."""
+    from heads.export import export_heads
+    from heads.mulo import MuLoDrafter, MuLoDrafterConfig
+
+    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
+                                                         intermediate_size=32))
+    export_heads(drafter, directory, backbone.identity())
+
+
 def test_mulo_method_names_set_mode_operating_point_rounds_and_proposal(tmp_path, classifier_cache):
     import hydra
 
     from decode.cli import build_methods
-    from heads.export import export_heads
-    from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 
     cfg = compose_config(["backbone=digits_tiny", f"decode.mulo.drafter={tmp_path / 'drafter'}", f"decode.out={tmp_path}",
                           f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
     backbone = hydra.utils.instantiate(cfg.backbone)
-    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
-                                                         intermediate_size=32))
-    export_heads(drafter, tmp_path / "drafter", backbone.identity())
+    _export_tiny_drafter(backbone, tmp_path / "drafter")
     cfg.decode.methods = ["mulo", "mulo_exact", "mulo_k6_d0.5_r0", "mulo_k2_d0.1_r2_rounds1_bicubic_point"]
     configs = {name: method.generate.keywords["config"] for name, method in build_methods(cfg, backbone).items()
                if name != "ar"}
@@ -112,15 +118,11 @@ def test_seed_suffix_reruns_any_method_with_an_offset_seed(tmp_path, classifier_
     import hydra
 
     from decode.cli import build_methods
-    from heads.export import export_heads
-    from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 
     cfg = compose_config(["backbone=digits_tiny", f"decode.out={tmp_path}", f"paths.checkpoints_dir={classifier_cache}",
                           "decode.methods=[ar_seed2,mulo_exact_seed1,mulo_exact]"], tmp_path)
     backbone = hydra.utils.instantiate(cfg.backbone)
-    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
-                                                         intermediate_size=32))
-    export_heads(drafter, tmp_path / "drafter", backbone.identity())
+    _export_tiny_drafter(backbone, tmp_path / "drafter")
     cfg.decode.mulo.drafter = str(tmp_path / "drafter")
     methods = build_methods(cfg, backbone)
     assert list(methods) == ["ar", "ar_seed2", "mulo_exact_seed1", "mulo_exact"]
