@@ -275,3 +275,57 @@ def test_sampled_lookahead_has_the_backbone_distribution():
     assert min(passes) == 2  # prefill + one pass for both rows: some images used the early verification
     assert max(passes) > 2  # and some had rejections
     assert_sampled_from(images, truth)
+
+
+def passes_per_row(backbone, run) -> dict[int, int]:
+    """Backbone passes of `run()` counted by the row of the last grid token each pass feeds."""
+    counts: dict[int, int] = {}
+    original = backbone.step
+
+    def counting_step(state, tokens):
+        row = (state.num_image_tokens + tokens.shape[1] - 1) // backbone.geometry.cols
+        counts[row] = counts.get(row, 0) + 1
+        return original(state, tokens)
+
+    backbone.step = counting_step
+    try:
+        run()
+    finally:
+        del backbone.step
+    return counts
+
+
+@pytest.mark.parametrize("correction,window,grid", [("prefix", 0, False), ("prefix", 3, True), ("target", 0, False),
+                                                    ("residual", 0, True)])
+def test_autocorrect_spends_at_most_rounds_plus_one_passes_on_every_row(tiny_backbone, correction, window, grid):
+    """The budget holds row by row (a row may not borrow the passes another row left unused)."""
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=3, grid=grid)
+    for rounds in (0, 1, 2):
+        config = SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction, window=window)
+        counts = passes_per_row(tiny_backbone, lambda: generate_ssd(
+            tiny_backbone, heads, Condition(class_ids=torch.tensor([2, 4, 6])), SamplingConfig(cfg_scale=2.0),
+            torch.Generator().manual_seed(0), config))
+        assert max(counts.values()) <= rounds + 1, (rounds, counts)
+        assert rounds == 0 or max(counts.values()) > 1  # random heads are rejected: the rounds are used
+
+
+@pytest.mark.parametrize("mode", ["exact", "autocorrect"])
+def test_relaxed_ssd_with_zero_budget_is_the_exact_rule(tiny_backbone, mode):
+    """LANTERN's relaxation with delta = 0 pools nothing: the same tokens and counts as without it, same seed."""
+    heads, condition = random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True), Condition(class_ids=torch.arange(4))
+    results = [generate_ssd(tiny_backbone, heads, condition, SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
+                            SSDDecodeConfig(mode=mode, rounds=2, relax_k=k, relax_delta=0.0)) for k in (0, 4)]
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[0].accepted_tokens == results[1].accepted_tokens
+
+
+def test_relaxed_ssd_accepts_more_drafts_as_the_budget_grows(tiny_backbone):
+    heads, condition = random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True), Condition(class_ids=torch.arange(4))
+    rates, passes = [], []
+    for delta in (0.0, 0.2, 0.6):
+        result = generate_ssd(tiny_backbone, heads, condition, SamplingConfig(cfg_scale=2.0),
+                              torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", relax_k=4, relax_delta=delta))
+        rates.append(result.accepted_tokens / result.drafted_tokens)
+        passes.append(result.forward_passes)
+    assert rates[0] < rates[1] < rates[2]
+    assert passes[0] > passes[2]
