@@ -58,16 +58,25 @@ finished its row re-feeds it unchanged until the others finish.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
-from decode.relaxed import latent_neighbours, pooled_neighbour_mass
+from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
-from decode.sampling import SamplingConfig, sample_from, sample_with, token_distribution
+from decode.rules import (
+    accept_drafts,
+    autocorrect_distributions,
+    first_true,
+    latent_neighbours,
+    pooled_neighbour_mass,
+    probability_of,
+    residual_distribution,
+)
+from decode.sampling import SamplingConfig
+from decode.ssd_drafting import DraftedRow, SSDRowDrafter
 from heads.ssd import SSDHeads
 
 
@@ -123,200 +132,47 @@ class SSDDecodeConfig:
                              f"correction {self.correction!r}")
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) over the last axis; where p <= q everywhere (only by rounding), p itself."""
-    residual = (p - q).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+@dataclass
+class SSDProgress:
+    """What one generation carries from row to row (B images, G cache rows)."""
+
+    tokens: torch.Tensor  # (B, rows * cols) the image so far
+    first_state: torch.Tensor | None  # (G, 1, H) predicts the next row's first token; None: that token was never fed
+    first_exact: torch.Tensor  # (B,) bool: first_state came from the image's committed tokens
+    cache_valid: int = 0  # grid positions whose cached keys/values are final for every image
+    above: tuple[torch.Tensor, torch.Tensor] | None = None  # the finished row above: states (G, C, H), tokens (B, C)
+    handed_over: tuple[DraftedRow, torch.Tensor] | None = None  # lookahead: the next row and that pass's states
+    passes: int = 1  # backbone passes, the prefill included
+    drafted: int = 0
+    accepted: int = 0
 
 
-class _RowDrafter:
-    """Drafting and target distributions for one generation: heads + backbone + sampling settings."""
+@dataclass
+class SSDRow:
+    """The row being verified."""
 
-    def __init__(self, backbone: ARImageBackbone, heads: SSDHeads, state: DecodeState, sampling: SamplingConfig,
-                 generator: torch.Generator | None, device: torch.device):
-        self.backbone, self.heads, self.state, self.sampling, self.generator = backbone, heads, state, sampling, generator
-        self.twins = 2 if state.guided else 1
-        grid = getattr(heads, "grid", None)
-        # The grid head's share of every possible left token, looked up per drafted token (see prepare_left_tokens).
-        self.left_token_share = None if grid is None else grid.prepare_left_tokens(
-            backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=device)))
-        self.grid_step = None if grid is None else grid.drafting_step()
-        self.draft_scores = backbone.draft_scorer(state, sampling.cfg_scale)
-
-    def twin(self, images: torch.Tensor) -> torch.Tensor:
-        """Image indices (k,) -> their cache rows ([cond; uncond] under guidance)."""
-        return torch.cat([images, images + self.state.batch_size]) if self.state.guided else images
-
-    def distribution(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states of cache rows (G, T, H) -> token distributions of images (G / twins, T, V)."""
-        return token_distribution(self.backbone.scores(self.state, hidden, self.sampling.cfg_scale), self.sampling)
-
-    def draft_distribution(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Predicted states of cache rows (G, ..., H) -> the draft distributions of their images (G / twins, ..., V).
-
-        `distribution` up to float rounding, in fewer kernels (the backbone's `draft_scorer`).
-        """
-        return token_distribution(self.draft_scores(hidden), self.sampling)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Tokens of images (k, ...) -> embeddings for their cache rows (G, ..., H)."""
-        embedded = self.backbone.embed_image_tokens(tokens)
-        return torch.cat([embedded, embedded]) if self.state.guided else embedded
-
-    def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        return sample_from(probs, self.generator)
-
-    def vertical(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor):
-        """Drafts for a whole row from the row above: (tokens (B, C), q (B, C, V), predicted states (G, C, H))."""
-        states = self.heads.vertical(hidden_above, self.embed(tokens_above))
-        q = self.draft_distribution(states)
-        return self.sample(q), q, states
-
-    def horizontal(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, row_states=None) -> None:
-        """Re-draft `steps` positions after `positions` (one per image in `images`), in place.
-
-        `hidden` (rows of `images`, H) predicts the token at `positions`, which is `tokens`.
-        `row_states` (G, C, H), if given, receives the predicted states of the re-drafted positions.
-        """
-        self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps,
-                    lambda left, left_tokens, step: self.heads.horizontal(left, self.embed(left_tokens)), row_states)
-
-    def along(self, row_tokens, row_q, images, positions, hidden, tokens, above_prepared, limit: int = 0,
-              row_states=None) -> None:
-        """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
-
-        Each position is drafted from the row above (`above_prepared`: the grid
-        head's `prepare_above` of the whole row, (G, C, width)) and the state and
-        token to its left, the left ones drafted the step before (exact at
-        `positions`: `hidden` (rows of `images`, H) predicts the token there, `tokens`).
-        """
-        cols = row_tokens.shape[1]
-        steps = min(limit or cols, cols - 1 - int(positions.min()))
-        if steps <= 0:
-            return
-        # Each step reads one column of the prepared row per cache row: gather those columns once.
-        columns = (positions[:, None] + torch.arange(1, steps + 1, device=positions.device)).clamp(max=cols - 1)
-        above = above_prepared[self.twin(images)[:, None], columns.repeat(self.twins, 1)]  # (rows, steps, width)
-        share, grid_step, twins = self.left_token_share, self.grid_step, self.twins
-
-        def predict(left, left_tokens, step):
-            return grid_step(above[:, step], left, share[left_tokens].repeat(twins, 1))
-
-        self._chain(row_tokens, row_q, images, positions, hidden, tokens, steps, predict, row_states)
-
-    def prepare_above(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> torch.Tensor:
-        """The grid head's share of the row above, once per row: (G, C, H), (B, C) -> (G, C, width)."""
-        return self.heads.grid.prepare_above(hidden_above, self.embed(tokens_above))
-
-    def _chain(self, row_tokens, row_q, images, positions, hidden, tokens, steps: int, predict, row_states=None) -> None:
-        """Draft up to `steps` positions one after another to the right of `positions`, each from the one before.
-
-        `predict(left state, left tokens, step)` gives the states `step + 1` positions right of `positions`.
-        Drafts past the row's end (images whose `positions` are further right) are computed and dropped.
-        """
-        cols = row_tokens.shape[1]
-        steps = min(steps, cols - 1 - int(positions.min()))
-        if steps <= 0:
-            return
-        uniforms = torch.rand(steps, len(images), generator=self.generator, device=row_tokens.device)
-        drafted_tokens, drafted_q, drafted_states = [], [], []
-        for step in range(steps):
-            hidden = predict(hidden, tokens, step)  # (rows, H)
-            q = self.draft_distribution(hidden)  # (k, V)
-            tokens = sample_with(q, uniforms[step])
-            drafted_tokens.append(tokens)
-            drafted_q.append(q)
-            drafted_states.append(hidden)
-        # One write for the whole chain: indexed writes cost as much as a drafting step's kernels.
-        columns = positions[:, None] + torch.arange(1, steps + 1, device=positions.device)  # (k, steps)
-        chain_tokens, chain_q = torch.stack(drafted_tokens, 1), torch.stack(drafted_q, 1)
-        image_rows = images[:, None].expand_as(columns)
-        inside = columns < cols if steps > cols - 1 - int(positions.max()) else None  # None: no image ran past the end
-        if row_states is not None:
-            twin_columns = columns.repeat(self.twins, 1)
-            state_rows, chain_states = self.twin(images)[:, None].expand_as(twin_columns), torch.stack(drafted_states, 1)
-            if inside is not None:
-                twin_inside = inside.repeat(self.twins, 1)
-                state_rows, twin_columns, chain_states = state_rows[twin_inside], twin_columns[twin_inside], chain_states[twin_inside]
-            row_states[state_rows, twin_columns] = chain_states
-        if inside is not None:
-            image_rows, columns, chain_tokens, chain_q = image_rows[inside], columns[inside], chain_tokens[inside], chain_q[inside]
-        row_tokens[image_rows, columns] = chain_tokens
-        row_q[image_rows, columns] = chain_q
+    index: int
+    start: int  # its first grid position
+    drafts: DraftedRow  # tokens (B, C) and q (B, C, V), corrected in place
+    states: torch.Tensor  # (G, C, H): states[:, i] predicts position i, exact where a pass gave it
+    committed: torch.Tensor  # (B,) long: positions of the row already final, per image
+    above_prepared: torch.Tensor | None  # the grid head's share of the row above (None: no grid drafting)
+    handed_over: torch.Tensor | None = None  # states from the pass that already fed this row (lookahead)
+    cached: int = 0  # positions whose cached keys/values are final for every image
+    passes: int = 0  # verification passes spent on this row
+    fed: tuple[torch.Tensor, int, int] | None = None  # the last pass: its states, first and end fed positions
 
 
-def _horizontal_steps(config: SSDDecodeConfig, row: int, cols: int) -> int:
-    """Positions the horizontal head drafts after a token the backbone gave: row 0 has nothing above."""
-    return cols - 1 if row == 0 else config.horizontal_steps
+@dataclass
+class _Verdict:
+    """The test of one pass: which drafts stand, where each image's first rejection is."""
 
-
-def _draft_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, h_first, hidden_above, tokens_above,
-               above_prepared, grid_limit: int, state_template: torch.Tensor, batch: int, cols: int, keep_states: bool):
-    """Steps 1-2 for one row: its first token from the backbone where its state is known, drafts for the rest.
-
-    Returns tokens (B, C), their draft distributions q (B, C, V) and, with `keep_states`, the heads' predicted
-    states (G, C, H) (the exact state at position 0), else None.
-    """
-    device = state_template.device
-    row_tokens = torch.empty(batch, cols, dtype=torch.long, device=device)
-    row_q = torch.zeros(batch, cols, drafter.backbone.codebook_size, device=device)
-    row_states = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1]) if keep_states else None
-    if row > 0:
-        row_tokens[:], row_q[:], states = drafter.vertical(hidden_above, tokens_above)
-        if keep_states:
-            row_states[:] = states
-    if h_first is not None:  # None: the row above ended unfed (window); its vertical draft stands
-        row_q[:, 0] = drafter.distribution(h_first)[:, 0]
-        row_tokens[:, 0] = drafter.sample(row_q[:, 0])
-        if keep_states:
-            row_states[:, 0] = h_first[:, 0]
-        _draft_after_first(drafter, config, row, row_tokens, row_q, h_first[:, 0], above_prepared, grid_limit,
-                           row_states)
-    return row_tokens, row_q, row_states
-
-
-def _draft_after_first(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, row_tokens, row_q, first_state,
-                       above_prepared, grid_limit: int, row_states) -> None:
-    """Re-draft a row along from its first token (state `first_state` (G, H)), in place: with the grid head
-    when `above_prepared` is given (up to `grid_limit`), else with the horizontal head; the rest keeps its
-    vertical drafts."""
-    every_image = torch.arange(row_tokens.shape[0], device=row_tokens.device)
-    first = torch.zeros_like(every_image)
-    if above_prepared is not None:
-        drafter.along(row_tokens, row_q, every_image, first, first_state, row_tokens[:, 0], above_prepared,
-                      grid_limit, row_states)
-    else:
-        drafter.horizontal(row_tokens, row_q, every_image, first, first_state, row_tokens[:, 0],
-                           _horizontal_steps(config, row, row_tokens.shape[1]), row_states)
-
-
-def _likely_complete(row_tokens: torch.Tensor, row_q: torch.Tensor, committed: torch.Tensor, threshold: float) -> bool:
-    """Whether every image's open drafts have a product of own probabilities q(x) >= `threshold` (0: always)."""
-    if threshold <= 0:
-        return True
-    draft_probability = row_q.gather(-1, row_tokens[..., None])[..., 0]  # (B, C)
-    is_open = torch.arange(row_tokens.shape[1], device=row_tokens.device)[None] >= committed[:, None]
-    log_product = torch.where(is_open, draft_probability.clamp(min=1e-30).log(), 0.0).sum(1)
-    return bool((log_product >= math.log(threshold)).all())
-
-
-def _draft_next_row(drafter: "_RowDrafter", config: SSDDecodeConfig, row: int, row_hidden, row_states, row_tokens,
-                    committed, grid_limit: int):
-    """Row `row + 1`'s drafts before row `row` is verified: (tokens, q, predicted states).
-
-    The row above is this row as it stands: exact states left of each image's first open position (their
-    context is final), the heads' predictions from there on. The next row's first token is a draft too
-    (vertical head), verified like the rest once the pass gives its state.
-    """
-    cols = row_tokens.shape[1]
-    known = torch.arange(cols, device=row_tokens.device)[None] < committed.repeat(drafter.twins)[:, None]  # (G, C)
-    above = torch.where(known[..., None], row_hidden, row_states)
-    next_tokens, next_q, next_states = drafter.vertical(above, row_tokens)
-    above_prepared = drafter.prepare_above(above, row_tokens) if getattr(drafter.heads, "grid", None) is not None else None
-    _draft_after_first(drafter, config, row + 1, next_tokens, next_q, next_states[:, 0], above_prepared, grid_limit,
-                       next_states)
-    return next_tokens, next_q, next_states
+    passed: torch.Tensor  # (B, C) bool, committed positions included
+    first_rejected: torch.Tensor  # (B,) long, C where none
+    is_committed: torch.Tensor  # (B, C) bool: final before this pass
+    open_images: torch.Tensor  # (B,) bool: images whose row was not final before this pass
+    extent: int  # row positions < extent were verified by this pass
+    p: torch.Tensor  # (B, C, V) the target distributions
 
 
 @torch.inference_mode()
@@ -330,155 +186,163 @@ def generate_ssd(
 ) -> GenerationResult:
     """Generate one image per condition with SSD row drafting and verification (see the module docstring)."""
     rows, cols = backbone.geometry.rows, backbone.geometry.cols
-    state, h_first = backbone.prefill(condition, sampling.guided)  # h_first: (G, 1, H) predicts the row's first token
-    drafter = _RowDrafter(backbone, heads, state, sampling, generator, h_first.device)
-    batch, device = condition.batch_size, h_first.device
-    tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
-    passes, drafted, accepted = 1, 0, 0  # the prefill is a pass
-    cache_valid = 0  # grid tokens whose cached keys/values belong to the committed tokens of every image
-    first_exact = torch.ones(batch, dtype=torch.bool, device=device)  # h_first came from the committed context
-    hidden_above = tokens_above = None
-    state_template = h_first  # (G, 1, H): shape and dtype of the states, kept while h_first may be None
+    state, first_state = backbone.prefill(condition, sampling.guided)  # (G, 1, H) predicts token 0
+    drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config, first_state.device)
+    batch, device = condition.batch_size, first_state.device
+    run = SSDProgress(tokens=torch.empty(batch, rows * cols, dtype=torch.long, device=device),
+                      first_state=first_state, first_exact=torch.ones(batch, dtype=torch.bool, device=device))
     relaxed = config.relax_k > 0 and config.relax_delta > 0 and not sampling.greedy
     neighbours = latent_neighbours(backbone.codebook_latents().to(device), config.relax_k) if relaxed else None
+    for index in range(rows):
+        row = _start_row(run, drafter, config, index)  # steps 1-2: the first token and the drafts
+        while not _verify(run, row, drafter, config, state, neighbours):  # step 3: pass, test, correct
+            pass
+        _finish_row(run, row, config)
+    return GenerationResult(run.tokens.view(batch, rows, cols), forward_passes=run.passes, drafted_tokens=run.drafted,
+                            accepted_tokens=run.accepted)
 
-    # Grid re-drafts stop after `grid_steps`, and after `window` (a pass verifies no further; drafts beyond can
-    # wait for the correction after it).
-    grid_limit = min(limit for limit in (config.window, config.grid_steps, cols) if limit)
 
-    lookahead = None  # set by a pass that completed its row: the next row's drafts and that pass's states for them
-    for row in range(rows):
-        row_start = row * cols
-        grid = getattr(heads, "grid", None) is not None and row > 0  # draft along the row: above + left
-        above_prepared = drafter.prepare_above(hidden_above, tokens_above) if grid else None
-        if lookahead is not None:  # drafted and fed with the row above; verified below without a new pass
-            row_tokens, row_q, row_states, lookahead_out = lookahead
-            lookahead = None
-        else:
-            row_tokens, row_q, row_states = _draft_row(drafter, config, row, h_first, hidden_above, tokens_above,
-                                                       above_prepared, grid_limit, state_template, batch, cols,
-                                                       keep_states=config.lookahead)
-            lookahead_out = None
-        committed = torch.zeros_like(first_exact, dtype=torch.long) if lookahead_out is not None else first_exact.long()
-        # committed: (B,) positions of this row already final
-        row_hidden = state_template.new_zeros(state_template.shape[0], cols, state_template.shape[-1])
-        if h_first is not None:
-            row_hidden[:, 0] = h_first[:, 0]  # row_hidden[:, i] predicts position i
-        row_cached = 0  # positions of this row whose cached keys/values are final for every image
-        verify_passes = 0
+def _start_row(run: SSDProgress, drafter: SSDRowDrafter, config: SSDDecodeConfig, index: int) -> SSDRow:
+    """Steps 1-2: the row's drafts (or the ones lookahead verified already) and its verification state."""
+    cols = drafter.cols
+    hidden_above, tokens_above = run.above if run.above is not None else (None, None)
+    above_prepared = drafter.prepare_above(hidden_above, tokens_above)
+    handed_over = None
+    if run.handed_over is not None:  # drafted and fed with the row above; verified without a new pass
+        drafts, handed_over = run.handed_over
+        run.handed_over = None
+    else:
+        drafts = drafter.draft_row(index, run.first_state, hidden_above, tokens_above, above_prepared,
+                                   keep_states=config.lookahead)
+    # A row handed over has its first token drafted too; otherwise the first token is final where its state was.
+    committed = torch.zeros_like(run.first_exact, dtype=torch.long) if handed_over is not None else run.first_exact.long()
+    template = run.first_state if run.first_state is not None else hidden_above  # dtype, device, hidden size
+    states = template.new_zeros(template.shape[0], cols, template.shape[-1])
+    if run.first_state is not None:
+        states[:, 0] = run.first_state[:, 0]
+    return SSDRow(index, index * cols, drafts, states, committed, above_prepared, handed_over)
 
-        # 3. Verify until the row is complete (exact) or the rounds are spent (autocorrect).
-        while True:
-            next_row = None  # the next row's drafts, when this pass verifies them too
-            if lookahead_out is not None:  # the pass that fed this row with the row above
-                out, start, feed_end, lookahead_out = lookahead_out, row_start, row_start + cols, None
-            else:
-                # Feed from the first position whose cache entry is not final: re-feeding a finished prefix
-                # would cost compute and change nothing.
-                start = cache_valid if cache_valid < row_start else row_start + row_cached
-                backbone.rollback(state, start)
-                feed_end = row_start + cols  # grid positions [start, feed_end) are fed
-                if config.window:  # exact or prefix only (SSDDecodeConfig refuses the rest)
-                    feed_end = min(feed_end, row_start + int(committed.min()) + config.window)
-                feed = [tokens[:, start:row_start], row_tokens[:, max(0, start - row_start) : feed_end - row_start]]
-                if (config.lookahead and row < rows - 1 and feed_end == row_start + cols
-                        and _likely_complete(row_tokens, row_q, committed, config.lookahead_confidence)):
-                    next_row = _draft_next_row(drafter, config, row, row_hidden, row_states, row_tokens, committed,
-                                               grid_limit)
-                    feed.append(next_row[0])
-                out = backbone.step(state, torch.cat(feed, dim=1))  # out[:, j] predicts grid position start + j + 1
-                passes += 1
-            verify_passes += 1
-            first_fresh = max(row_start, start + 1)  # the first row position whose state this pass gives
-            fresh = first_fresh - row_start
-            extent = min(cols, feed_end - row_start + 1)  # row positions < extent are verified by this pass
-            row_hidden[:, fresh:extent] = out[:, first_fresh - start - 1 : first_fresh - start - 1 + extent - fresh]
-            if fresh == 0:  # the previous row was re-fed: the first-token state is now exact
-                h_first = row_hidden[:, :1]
-            cache_valid = row_start
-            p = drafter.distribution(row_hidden)  # (B, C, V)
-            px = p.gather(-1, row_tokens[..., None])[..., 0]
-            if neighbours is not None:
-                px = px + pooled_neighbour_mass(p, row_tokens, neighbours, config.relax_delta)
-            qx = row_q.gather(-1, row_tokens[..., None])[..., 0]
-            uniform = torch.rand(px.shape, generator=generator, device=device)
-            passed = uniform * qx < px  # accept with probability min(1, p/q)
-            is_committed = torch.arange(cols, device=device)[None] < committed[:, None]
-            passed |= is_committed
-            passed[:, extent:] &= is_committed[:, extent:]  # not verified yet: stop there without correcting
-            open_images = committed < cols
-            drafted += int((~is_committed & open_images[:, None]).sum())
-            first_rejected = torch.where(passed.all(1), cols, (~passed).float().argmax(1))  # (B,)
-            # Fed tokens left of every image's first rejection are final, and so are their cache entries.
-            row_cached = max(row_cached, min(int(first_rejected.min()), feed_end - row_start))
 
-            if config.mode == "exact" or config.correction == "prefix":
-                accepted += int(((first_rejected - committed).clamp(min=0) * open_images).sum())
-                rejected_images = torch.nonzero(first_rejected < extent)[:, 0]
-                if len(rejected_images) == 0:
-                    committed = committed.clamp(min=extent)
-                    if bool((committed >= cols).all()):
-                        if next_row is not None:  # every image's row stands as fed: the next row's part is valid
-                            lookahead = (*next_row, out[:, row_start + cols - start :])
-                        break
-                    if config.mode == "autocorrect" and verify_passes > config.rounds:
-                        break
-                    continue
-                position = first_rejected[rejected_images]
-                residual = residual_distribution(p[rejected_images, position], row_q[rejected_images, position])
-                row_tokens[rejected_images, position] = drafter.sample(residual)
-                committed = torch.where(first_rejected < extent, first_rejected + 1, committed.clamp(min=extent))
-                if row == rows - 1 and bool((committed >= cols).all()):
-                    break  # the image is complete; no next row needs the state after the correction
-                exact_state = row_hidden[drafter.twin(rejected_images), position.repeat(1 + state.guided)]
-                budget_spent = config.mode == "autocorrect" and verify_passes > config.rounds
-                if grid:  # the rest of the row again, each position now seeing the correction to its left
-                    drafter.along(row_tokens, row_q, rejected_images, position, exact_state,
-                                  row_tokens[rejected_images, position], above_prepared,
-                                  0 if budget_spent else grid_limit, row_states)
-                else:
-                    drafter.horizontal(row_tokens, row_q, rejected_images, position, exact_state,
-                                       row_tokens[rejected_images, position], _horizontal_steps(config, row, cols),
-                                       row_states)
-                if budget_spent:
-                    break  # budget spent ("prefix" correction): the re-drafted rest of the row stays unverified
-            else:
-                still_open = open_images & ~passed.all(1)
-                accepted += int((passed & ~is_committed & open_images[:, None]).sum())
-                resample = ~passed & still_open[:, None]  # (B, C)
-                if resample.any():
-                    # At an image's first rejection the context is final: the residual is the exact
-                    # correction. Further right the context holds rejected drafts; there the
-                    # correction is drawn from p itself ("target") or, as the paper words it, from
-                    # the residual too ("residual", which excludes the draft's mass and, with weak
-                    # drafts, turns rejections into anti-correlated noise).
-                    exact_context = torch.arange(cols, device=device)[None] == first_rejected[:, None]
-                    use_residual = resample & (exact_context | (config.correction == "residual"))
-                    correction = p.clone()
-                    correction[use_residual] = residual_distribution(p[use_residual], row_q[use_residual])
-                    row_tokens[resample] = drafter.sample(correction[resample])
-                    row_q[resample] = correction[resample]
-                # Left of its first rejection an image's tokens passed against their final context: final.
-                committed = torch.where(still_open, torch.maximum(committed, first_rejected), cols)
-                if not still_open.any() or verify_passes > config.rounds:
-                    break
+def _verify(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, state: DecodeState,
+            neighbours: torch.Tensor | None) -> bool:
+    """One verification pass over the row and its verdict; True when the row is done."""
+    out, start, feed_end, next_row = _feed(run, row, drafter, config, state)
+    row.passes += 1
+    row.fed = (out, start, feed_end)
+    fresh, extent = write_block_states(row.states, out, start, row.start, feed_end)
+    if fresh == 0:  # the previous row was re-fed: the first-token state is now exact
+        run.first_state = row.states[:, :1]
+    run.cache_valid = row.start
+    verdict = _test_drafts(row, drafter, extent, neighbours)
+    run.drafted += int((~verdict.is_committed & verdict.open_images[:, None]).sum())
+    # Fed tokens left of every image's first rejection are final, and so are their cache entries.
+    row.cached = max(row.cached, min(int(verdict.first_rejected.min()), feed_end - row.start))
+    if config.mode == "exact" or config.correction == "prefix":
+        return _commit_prefix(run, row, drafter, config, verdict, next_row, out, start)
+    return _autocorrect_in_parallel(run, row, drafter, config, verdict)
 
-        tokens[:, row_start : row_start + cols] = row_tokens
-        # Which images' cache rows now hold exactly their final row (autocorrect may have resampled after the pass).
-        fed_is_final = committed >= cols
-        last_fed = feed_end == row_start + cols
-        if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
-            first_exact = torch.zeros_like(first_exact)
-            cache_valid = row_start + row_cached
-        elif config.mode == "autocorrect" and not bool(fed_is_final.all()):
-            first_exact = fed_is_final  # their next first token is exact; the others are drafted and re-checked
-            cache_valid = row_start + row_cached  # the next pass re-feeds the rest of this row for everyone
-        else:  # also after a lookahead pass: the next row is fed too, and starts with its first token to verify
-            first_exact = torch.ones_like(first_exact)
-            cache_valid = row_start + cols
-        # The state after this row's last token (a lookahead pass fed the next row after it).
-        h_first = out[:, row_start + cols - start - 1 : row_start + cols - start] if last_fed else None
-        hidden_above, tokens_above = row_hidden, row_tokens
 
-    return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,
-                            accepted_tokens=accepted)
+def _feed(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, state: DecodeState):
+    """The pass itself: (states, first fed position, end of the row's feed, the next row's drafts or None)."""
+    cols = drafter.cols
+    if row.handed_over is not None:  # the pass that fed this row with the row above
+        out, row.handed_over = row.handed_over, None
+        return out, row.start, row.start + cols, None
+    # Feed from the first position whose cache entry is not final: re-feeding a finished prefix costs compute.
+    start = run.cache_valid if run.cache_valid < row.start else row.start + row.cached
+    feed_end = row.start + cols
+    if config.window:  # exact or prefix only (SSDDecodeConfig refuses the rest)
+        feed_end = min(feed_end, row.start + int(row.committed.min()) + config.window)
+    next_row = None
+    last_row = row.index == run.tokens.shape[1] // cols - 1
+    if (config.lookahead and not last_row and feed_end == row.start + cols
+            and drafter.lookahead_now(row.drafts, row.committed)):
+        next_row = drafter.draft_next_row(row.index, row.states, row.drafts, row.committed)
+    out = verification_pass(drafter.backbone, state, run.tokens, start, row.start, row.drafts.tokens, feed_end,
+                            extra=next_row.tokens if next_row is not None else None)
+    run.passes += 1
+    return out, start, feed_end, next_row
+
+
+def _test_drafts(row: SSDRow, drafter: SSDRowDrafter, extent: int, neighbours: torch.Tensor | None) -> _Verdict:
+    """Speculative sampling's test of every open draft the pass verified (LANTERN-relaxed with `neighbours`)."""
+    cols, drafts = drafter.cols, row.drafts
+    p = drafter.distribution(row.states)  # (B, C, V)
+    p_of_draft = probability_of(p, drafts.tokens)
+    if neighbours is not None:
+        p_of_draft = p_of_draft + pooled_neighbour_mass(p, drafts.tokens, neighbours, drafter.config.relax_delta)
+    uniform = torch.rand(p_of_draft.shape, generator=drafter.generator, device=p.device)
+    passed = accept_drafts(p_of_draft, probability_of(drafts.q, drafts.tokens), uniform)
+    is_committed = torch.arange(cols, device=p.device)[None] < row.committed[:, None]
+    passed |= is_committed
+    passed[:, extent:] &= is_committed[:, extent:]  # not verified yet: stop there without correcting
+    return _Verdict(passed, first_true(~passed, cols), is_committed, row.committed < cols, extent, p)
+
+
+def _commit_prefix(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, verdict: _Verdict,
+                   next_row: DraftedRow | None, out: torch.Tensor, start: int) -> bool:
+    """Exact speculative sampling (and autocorrect's ``prefix``): keep each image's accepted prefix, draw its first
+    rejection from the residual, re-draft what follows. True when the row is done."""
+    cols, first_rejected, extent = drafter.cols, verdict.first_rejected, verdict.extent
+    run.accepted += int(((first_rejected - row.committed).clamp(min=0) * verdict.open_images).sum())
+    budget_spent = config.mode == "autocorrect" and row.passes > config.rounds
+    rejected_images = torch.nonzero(first_rejected < extent)[:, 0]
+    if len(rejected_images) == 0:
+        row.committed = row.committed.clamp(min=extent)
+        if bool((row.committed >= cols).all()):
+            if next_row is not None:  # every image's row stands as fed: the next row's part is verified too
+                run.handed_over = (next_row, out[:, row.start + cols - start :])
+            return True
+        return budget_spent
+    position = first_rejected[rejected_images]
+    drafts = row.drafts
+    residual = residual_distribution(verdict.p[rejected_images, position], drafts.q[rejected_images, position])
+    drafts.tokens[rejected_images, position] = drafter.sample(residual)
+    row.committed = torch.where(first_rejected < extent, first_rejected + 1, row.committed.clamp(min=extent))
+    if row.index == run.tokens.shape[1] // cols - 1 and bool((row.committed >= cols).all()):
+        return True  # the image is complete; no next row needs the state after the correction
+    exact_state = row.states[drafter.twin(rejected_images), position.repeat(drafter.twins)]
+    # The rest of the row again, each position now seeing the correction to its left; once the budget is
+    # spent ("prefix"), the re-drafted rest of the row stays unverified.
+    drafter.redraft(drafts, row.index, rejected_images, position, exact_state, row.above_prepared, to_end=budget_spent)
+    return budget_spent
+
+
+def _autocorrect_in_parallel(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig,
+                             verdict: _Verdict) -> bool:
+    """Autocorrect's ``target`` and ``residual``: resample every rejected position of the row in this pass, then
+    re-verify the corrected row (at most ``rounds`` more passes). True when the row is done."""
+    passed, cols = verdict.passed, drafter.cols
+    still_open = verdict.open_images & ~passed.all(1)
+    run.accepted += int((passed & ~verdict.is_committed & verdict.open_images[:, None]).sum())
+    resample = ~passed & still_open[:, None]  # (B, C)
+    if resample.any():
+        corrections = autocorrect_distributions(verdict.p, row.drafts.q, resample, verdict.first_rejected,
+                                                everywhere_residual=config.correction == "residual")
+        row.drafts.tokens[resample] = drafter.sample(corrections)
+        row.drafts.q[resample] = corrections
+    # Left of its first rejection an image's tokens passed against their final context: final.
+    row.committed = torch.where(still_open, torch.maximum(row.committed, verdict.first_rejected), cols)
+    return not still_open.any() or row.passes > config.rounds
+
+
+def _finish_row(run: SSDProgress, row: SSDRow, config: SSDDecodeConfig) -> None:
+    """Write the row into the image and set up the next one: where the cache is final, the next first state."""
+    cols = row.drafts.tokens.shape[1]
+    out, start, feed_end = row.fed
+    run.tokens[:, row.start : row.start + cols] = row.drafts.tokens
+    last_fed = feed_end == row.start + cols
+    if not last_fed:  # windowed: the row's last token was never fed; the next row's first token is drafted
+        run.first_exact = torch.zeros_like(run.first_exact)
+        run.cache_valid = row.start + row.cached
+    elif config.mode == "autocorrect" and not bool((row.committed >= cols).all()):
+        # Only the images whose cache rows hold exactly their final row get an exact next first token; the
+        # next pass re-feeds the rest of this row for everyone.
+        run.first_exact = row.committed >= cols
+        run.cache_valid = row.start + row.cached
+    else:  # also after a lookahead pass: the next row is fed too, and starts with its first token to verify
+        run.first_exact = torch.ones_like(run.first_exact)
+        run.cache_valid = row.start + cols
+    # The state after this row's last token (a lookahead pass fed the next row after it).
+    run.first_state = out[:, row.start + cols - start - 1 : row.start + cols - start] if last_fed else None
+    run.above = (row.states, row.drafts.tokens)

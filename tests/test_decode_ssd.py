@@ -11,7 +11,8 @@ from backbones.base import Condition
 from backbones.digits import random_digits_backbone
 from decode.ar import generate_ar
 from decode.sampling import SamplingConfig, token_distribution
-from decode.ssd import SSDDecodeConfig, generate_ssd, residual_distribution
+from decode.rules import residual_distribution
+from decode.ssd import SSDDecodeConfig, generate_ssd
 
 GREEDY = SamplingConfig(greedy=True)
 

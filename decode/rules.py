@@ -1,0 +1,138 @@
+"""Acceptance rules of speculative decoding, each written once and shared by every method.
+
+All rules are plain functions over distributions ``p`` (the backbone's, the
+target) and ``q`` (the drafter's, the proposal), shaped ``(..., V)``, and draft
+tokens ``(...)``. Which rule a method uses:
+
+- exact speculative sampling (Leviathan et al., 2023; Chen et al., 2023):
+  accept a draft ``x ~ q`` with probability ``min(1, p(x) / q(x))``
+  (`accept_drafts`); at an image's first rejection (`first_true`) draw the
+  token from the residual ``norm(max(0, p - q))`` (`residual_distribution`) and
+  drop what follows. SSD exact, MuLo-SD exact (point proposals, ``q = one_hot(x)``),
+  and the peers to come (SJD, EAGLE).
+- SSD's parallel auto-correction (Xiang et al., 2026): every rejected position
+  of a row is resampled in the same pass (`autocorrect_distributions`).
+- relaxed acceptance (LANTERN, Jang et al., ICLR 2025): a draft also counts the
+  target mass of its nearest codebook neighbours, up to a budget ``delta``
+  (`latent_neighbours`, `pooled_neighbour_mass`, `relaxed_accept`). SSD's
+  ``relax_*`` settings, MuLo-SD. Not lossless for ``delta > 0``.
+- MuLo-SD's local rejection (Peruzzo et al., CVPR 2026): rejected tokens grow
+  into 8-connected islands that are resampled together (`islands`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy import ndimage
+
+
+def probability_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """distribution (..., V), tokens (...) -> the probability of each token (...)."""
+    return distribution.gather(-1, tokens[..., None])[..., 0]
+
+
+def accept_drafts(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's test: accept each draft with probability ``min(1, p(x) / q(x))``.
+
+    p_of_draft, q_of_draft, uniform in [0, 1): (...) -> bool (...). Written as
+    ``u * q(x) < p(x)`` so that ``q(x) = 0`` needs no division. `p_of_draft` may
+    include LANTERN's pooled mass (then the test is the relaxed one).
+    """
+    return uniform * q_of_draft < p_of_draft
+
+
+def first_true(mask: torch.Tensor, none: int) -> torch.Tensor:
+    """The first True position along the last axis of `mask` (B, n), or `none` where a row has none: (B,)."""
+    return torch.where(mask.any(-1), mask.float().argmax(-1), none)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The correction after a rejection: ``norm(max(0, p - q))`` over the last axis.
+
+    Drawing from it after rejecting ``x ~ q`` makes the kept token exactly
+    ``p``-distributed. Where ``p <= q`` everywhere (only by rounding, or a point
+    proposal that held all of p's mass) it is ``p`` itself.
+    """
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
+def point_residual(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual of a rejected point proposal ``q = one_hot(x)``: p without x, renormalised."""
+    return residual_distribution(p, F.one_hot(tokens, p.shape[-1]).to(p.dtype))
+
+
+def autocorrect_distributions(p: torch.Tensor, q: torch.Tensor, resample: torch.Tensor, first_rejected: torch.Tensor,
+                              everywhere_residual: bool) -> torch.Tensor:
+    """SSD's parallel auto-correction: what each rejected position of a row is redrawn from, in the same pass.
+
+    p, q (B, C, V); resample (B, C) the positions to redraw; first_rejected (B,)
+    each image's first rejection. At the first rejection the context is final,
+    so the residual ``norm(max(0, p - q))`` is the exact correction. Further
+    right the context holds rejected drafts: there the correction is ``p``
+    itself, or, as the paper words it, the residual too (`everywhere_residual`),
+    which excludes the draft's mass and, with weak drafts, turns rejections into
+    anti-correlated noise. Returns the distributions of the resampled positions (k, V).
+    """
+    columns = torch.arange(p.shape[1], device=p.device)[None]
+    use_residual = resample & ((columns == first_rejected[:, None]) | everywhere_residual)
+    correction = p.clone()
+    correction[use_residual] = residual_distribution(p[use_residual], q[use_residual])
+    return correction[resample]
+
+
+def latent_neighbours(latents: torch.Tensor, k: int) -> torch.Tensor:
+    """(V, D) codebook latents -> (V, k) indices of each entry's k nearest other entries, nearest first."""
+    distances = torch.cdist(latents.float(), latents.float())  # (V, V)
+    distances.fill_diagonal_(float("inf"))
+    k = min(k, latents.shape[0] - 1)
+    return distances.topk(k, dim=-1, largest=False).indices
+
+
+def pooled_neighbour_mass(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float) -> torch.Tensor:
+    """LANTERN's ``c_m``: the largest prefix sum of p over x's nearest neighbours that stays <= delta.
+
+    Image tokens whose codebook latents are close look alike, so a draft may
+    count their target mass as its own. p (..., V), tokens (...) -> (...);
+    zero for ``delta = 0`` (standard acceptance).
+    """
+    if neighbours.shape[-1] == 0 or delta <= 0:
+        return torch.zeros(tokens.shape, dtype=p.dtype, device=p.device)
+    neighbour_mass = p.gather(-1, neighbours[tokens])  # (..., k), nearest first
+    prefix = neighbour_mass.cumsum(-1)
+    return torch.where(prefix <= delta, prefix, torch.zeros_like(prefix)).amax(-1)
+
+
+def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float, greedy: bool,
+                   uniform: torch.Tensor, q_of_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Which drafts pass LANTERN's relaxed test: p (..., V), tokens (...), uniform (...) -> bool (...).
+
+    Accepts with probability ``min(1, (p(x) + c_m) / q(x))``; `q_of_tokens` (...)
+    is q(x), None for point proposals (q(x) = 1). Greedy decoding accepts when
+    the pooled mass reaches the argmax's probability.
+    """
+    mass = probability_of(p, tokens) + pooled_neighbour_mass(p, tokens, neighbours, delta)
+    if greedy:
+        return mass >= p.amax(-1)
+    if q_of_tokens is None:
+        return uniform < mass
+    return accept_drafts(mass, q_of_tokens, uniform)
+
+
+def islands(rejected: torch.Tensor, radius: int) -> torch.Tensor:
+    """MuLo-SD's local rejection: rejected cells (B, H, W) grown by `radius` (Chebyshev), the islands' mask.
+
+    All islands are resampled in the same pass, so decoding needs the mask, not the labels.
+    """
+    grown = rejected.float()
+    if radius > 0:
+        grown = F.max_pool2d(grown[:, None], 2 * radius + 1, stride=1, padding=radius)[:, 0]
+    return grown > 0
+
+
+def count_islands(mask: torch.Tensor) -> list[int]:
+    """The number of 8-connected islands in each image of a mask (B, H, W) (for reports and tests)."""
+    return [int(ndimage.label(image, structure=np.ones((3, 3)))[1]) for image in mask.cpu().numpy()]
