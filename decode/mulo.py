@@ -7,7 +7,7 @@ LANTERN's relaxed acceptance (Jang et al., 2025). For each low-resolution row j:
    guidance scale ``drafter_cfg_scale``: 1, no guidance, by default, because it
    was distilled from the backbone's guided samples) generates the ``cols / r``
    tokens of low-res row j.
-2. The training-free upsampler (heads/mulo.py, ``head.resample``: tokens ->
+2. The training-free upsampler (decode/mulo_resampling.py, the drafter's ``resample``: tokens ->
    pixels -> x r -> re-tokenise, or tokens -> codebook latents -> x r -> nearest
    entry) turns it into ``r`` backbone rows: a block of ``r * cols`` drafts.
    Interpolating modes (bilinear, bicubic) upsample the row under the two
@@ -65,21 +65,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from scipy import ndimage
 
-from backbones.base import ARImageBackbone, Condition
-from decode.relaxed import latent_neighbours, pooled_neighbour_mass
+from backbones.base import ARImageBackbone, Condition, DecodeState
+from decode.mulo_resampling import block_proposals, downsample_to_drafter, resampling_latents, upsample_block
+from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
-from decode.sampling import SamplingConfig, sample_from, token_distribution
-from heads.mulo import (
-    MuLoDrafter,
-    downsample_to_drafter,
-    resampling_latents,
-    upsample_to_backbone,
+from decode.rules import (
+    accept_drafts,
+    first_true,
+    island_redraw_distributions,
+    islands,
+    latent_neighbours,
+    point_residual,
+    probability_of,
+    relaxed_accept,
 )
+from decode.sampling import SamplingConfig, sample_from, token_distribution
+from heads.mulo import MuLoDrafter
 
 
 @dataclass(frozen=True)
@@ -109,85 +112,51 @@ class MuLoDecodeConfig:
                              f"{self.radius}, {self.rounds}")
 
 
-def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float, greedy: bool,
-                   uniform: torch.Tensor, q_of_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """Which drafts pass relaxed acceptance: p (..., V), tokens (...), uniform (...) -> bool (...).
+@dataclass
+class _MuLoSetup:
+    """What every block of one generation uses."""
 
-    Accepts with probability ``min(1, (p(x) + c_m) / q(x))``; `q_of_tokens` (...)
-    is q(x), None for point proposals (q(x) = 1).
-    """
-    mass = p.gather(-1, tokens[..., None])[..., 0] + pooled_neighbour_mass(p, tokens, neighbours, delta)
-    if greedy:
-        return mass >= p.amax(-1)
-    if q_of_tokens is None:
-        return uniform < mass
-    return uniform * q_of_tokens < mass
-
-
-def islands(rejected: torch.Tensor, radius: int) -> torch.Tensor:
-    """Grow rejected cells (B, H, W) by `radius` (Chebyshev): the mask of every island's cells.
-
-    All islands are resampled in the same pass, so decoding needs the mask, not the labels.
-    """
-    grown = rejected.float()
-    if radius > 0:
-        grown = F.max_pool2d(grown[:, None], 2 * radius + 1, stride=1, padding=radius)[:, 0]
-    return grown > 0
+    backbone: ARImageBackbone
+    small: ARImageBackbone  # the drafter's low-resolution model
+    state: DecodeState  # the backbone's cache
+    small_state: DecodeState  # the drafter's cache
+    sampling: SamplingConfig
+    drafter_sampling: SamplingConfig  # the drafter's own guidance (MuLoDecodeConfig.drafter_cfg_scale)
+    config: MuLoDecodeConfig
+    generator: torch.Generator | None
+    scale: int
+    resample: str  # "pixels" or "latents" (decode/mulo_resampling.py)
+    latents: torch.Tensor | None  # (V, D) the latent resampler's codebook
+    neighbours: torch.Tensor | None  # (V, k) relaxed acceptance's codebook neighbours
+    use_drafter_q: bool  # relaxed drafts are verified against the drafter's q (else as point proposals)
 
 
-def count_islands(mask: torch.Tensor) -> list[int]:
-    """The number of 8-connected islands in each image of a mask (B, H, W) (for reports and tests)."""
-    return [int(ndimage.label(image, structure=np.ones((3, 3)))[1]) for image in mask.cpu().numpy()]
+@dataclass
+class MuLoProgress:
+    """What one generation carries from block to block (B images)."""
+
+    tokens: torch.Tensor  # (B, rows * cols) the image so far
+    committed_low: torch.Tensor  # (B, rows / r, cols / r) the accepted image, downsampled
+    first_state: torch.Tensor  # (G, 1, H) predicts the next block's first token
+    small_hidden: torch.Tensor  # the drafter's state after the committed low-res rows
+    cache_valid: int = 0  # grid positions whose cache entries are final for every image
+    passes: int = 1  # backbone passes, the prefill included
+    drafted: int = 0
+    accepted: int = 0
 
 
-def upsample_block(low_row: torch.Tensor, committed_above: torch.Tensor, drafter: ARImageBackbone,
-                   backbone: ARImageBackbone, scale: int, mode: str = "nearest", resample: str = "pixels",
-                   latents: torch.Tensor | None = None) -> torch.Tensor:
-    """A drafted low-res row (B, w) -> its r backbone rows (B, r, w * r).
+@dataclass
+class MuLoBlock:
+    """The block of r backbone rows being verified."""
 
-    Interpolating modes upsample it under the committed low-res rows above
-    (`committed_above`, (B, j, w); the last two are read, as bicubic does), so the
-    top rows blend into the image above; below, the row's edge is replicated.
-    """
-    context = 0 if mode == "nearest" else 2
-    strip = torch.cat([committed_above[:, max(0, committed_above.shape[1] - context):], low_row[:, None]], dim=1)
-    return upsample_to_backbone(strip, drafter, backbone, scale, mode, resample, latents)[:, -scale:]
-
-
-def _without(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """p (..., V) with each rejected point draft `tokens` (...) removed: the residual of a point proposal.
-
-    Unnormalised (`sample_from` does not need it); p itself where the draft held all the mass.
-    """
-    residual = p.scatter(-1, tokens[..., None], 0.0)
-    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-
-
-def _first(mask: torch.Tensor, none: int) -> torch.Tensor:
-    """The first True position of each row of `mask` (B, n), or `none` where a row has none."""
-    return torch.where(mask.any(1), mask.float().argmax(1), none)
-
-
-def _repeat_cells(low_row: torch.Tensor, scale: int) -> torch.Tensor:
-    """One low-res row (B, w, ...) -> the r backbone rows it covers, flattened: (B, r * w * r, ...)."""
-    wide = low_row.repeat_interleave(scale, dim=1)  # (B, w * r, ...)
-    return wide[:, None].expand(-1, scale, *wide.shape[1:]).flatten(1, 2)
-
-
-def block_proposals(low_tokens: torch.Tensor, low_q: torch.Tensor, block_tokens: torch.Tensor,
-                    scale: int) -> torch.Tensor:
-    """The proposal distribution q (B, r * cols, V) of each draft of a block.
-
-    A backbone position whose draft is the token of the low-res cell it lies in
-    (every position under nearest upsampling, where the codebooks agree) takes the
-    drafter's distribution at that cell, `low_q` (B, cols / r, V); a position
-    the upsampler changed is a point proposal (one-hot on its draft).
-    low_tokens (B, cols / r), block_tokens (B, r * cols).
-    """
-    source = _repeat_cells(low_tokens[..., None], scale)[..., 0]  # (B, r * cols)
-    cell_q = _repeat_cells(low_q, scale)  # (B, r * cols, V)
-    point = F.one_hot(block_tokens, low_q.shape[-1]).to(low_q.dtype)
-    return torch.where((source == block_tokens)[..., None], cell_q, point)
+    index: int  # its low-res row
+    start: int  # its first grid position
+    tokens: torch.Tensor  # (B, r * cols) drafts, redrawn in place
+    q: torch.Tensor | None  # (B, r * cols, V) each draft's proposal (None: point proposals)
+    states: torch.Tensor  # (G, r * cols, H): states[:, i] predicts block position i
+    committed: torch.Tensor  # (B,) exact mode: the final prefix per image
+    open_tokens: torch.Tensor  # (B, r * cols) relaxed: redrawn from a stale context, re-tested by rounds
+    passes: int = 0
 
 
 @torch.inference_mode()
@@ -204,126 +173,147 @@ def generate_mulo(
     The drafter is bound to `backbone` (refused when built for another one); it
     resamples between the grids the way its config says (``resample``).
     """
-    rows, cols, scale = backbone.geometry.rows, backbone.geometry.cols, drafter.config.scale
+    setup, run = _set_up(backbone, drafter, condition, sampling, generator, config)
+    rows, cols = backbone.geometry.rows, backbone.geometry.cols
+    for index in range(rows // setup.scale):
+        block = _draft_block(setup, run, index)  # steps 1-2: a low-res row, upsampled to r rows
+        verify = _verify_exact if config.mode == "exact" else _verify_relaxed
+        while not verify(setup, run, block):  # step 3: one pass, its verdict, the redraws
+            pass
+        _commit_block(setup, run, block)  # step 4: the drafter continues from the accepted image
+    return GenerationResult(run.tokens.view(-1, rows, cols), forward_passes=run.passes, drafted_tokens=run.drafted,
+                            accepted_tokens=run.accepted)
+
+
+def _set_up(backbone, drafter: MuLoDrafter, condition, sampling, generator, config) -> tuple[_MuLoSetup, MuLoProgress]:
+    """Prefill both models and prepare what the blocks share."""
     small: ARImageBackbone = drafter.bind(backbone)
     resample = drafter.config.resample
     latents = resampling_latents(backbone) if resample == "latents" else None  # (V, D), once per call
-    small_cols = small.geometry.cols
-    batch, block = condition.batch_size, scale * cols
-    state, h_first = backbone.prefill(condition, sampling.guided)
+    state, first_state = backbone.prefill(condition, sampling.guided)
     # The drafter samples with its own guidance scale (see MuLoDecodeConfig.drafter_cfg_scale).
     drafter_sampling = replace(sampling, cfg_scale=config.drafter_cfg_scale)
     small_state, small_hidden = small.prefill(condition, drafter_sampling.guided)
-    device = h_first.device
     # Only relaxed acceptance pools over codebook neighbours; exact mode needs no codebook.
     neighbours = latent_neighbours(backbone.codebook_latents(), config.k) if config.mode == "relaxed" else None
     # Exact mode keeps point proposals: a token copied r x r times is not an independent draw from q.
     use_drafter_q = config.mode == "relaxed" and config.proposal == "drafter" and not sampling.greedy
-    tokens = torch.empty(batch, rows * cols, dtype=torch.long, device=device)
-    committed_low = torch.empty(batch, rows // scale, small_cols, dtype=torch.long, device=device)  # downsampled
-    position = torch.arange(scale * cols, device=device)[None]  # of each token in a block
-    passes, drafted, accepted = 1, 0, 0
-    cache_valid = 0  # grid tokens whose cache entries are final for every image
+    setup = _MuLoSetup(backbone, small, state, small_state, sampling, drafter_sampling, config, generator,
+                       drafter.config.scale, resample, latents, neighbours, use_drafter_q)
+    rows, cols, batch, device = backbone.geometry.rows, backbone.geometry.cols, condition.batch_size, first_state.device
+    run = MuLoProgress(
+        tokens=torch.empty(batch, rows * cols, dtype=torch.long, device=device),
+        committed_low=torch.empty(batch, rows // setup.scale, small.geometry.cols, dtype=torch.long, device=device),
+        first_state=first_state, small_hidden=small_hidden)
+    return setup, run
 
-    for low_row in range(rows // scale):
-        block_start = low_row * block
-        # 1. The drafter's low-res row, token by token through its own cache.
-        low_tokens, low_q = [], []
-        for column in range(small_cols):
-            scores = small.scores(small_state, small_hidden[:, -1:], drafter_sampling.cfg_scale)
-            low_q.append(token_distribution(scores, drafter_sampling))  # (B, 1, V)
-            low_tokens.append(sample_from(low_q[-1], generator))  # (B, 1)
-            if column + 1 < small_cols:
-                small_hidden = small.step(small_state, low_tokens[-1])
-        low_row_tokens = torch.cat(low_tokens, dim=1)  # (B, small_cols)
-        # 2. Upsample to r backbone rows.
-        block_tokens = upsample_block(low_row_tokens, committed_low[:, :low_row], small, backbone, scale,
-                                      config.upsample_mode, resample, latents).flatten(1)  # (B, r * cols)
-        block_q = None  # point proposals
-        if use_drafter_q:
-            block_q = block_proposals(low_row_tokens, torch.cat(low_q, dim=1), block_tokens, scale)
-        committed = torch.zeros(batch, dtype=torch.long, device=device)  # exact mode: final prefix per image
-        block_states = h_first.new_zeros(h_first.shape[0], block, h_first.shape[-1])  # (G, r*cols, H) predicts each position
-        block_states[:, 0] = h_first[:, 0]
 
-        # 3. Verify.
-        verify_passes = 0
-        open_tokens = torch.zeros(batch, block, dtype=torch.bool, device=device)  # relaxed: redrawn from a stale context
-        while True:
-            verify_passes += 1
-            backbone.rollback(state, cache_valid)
-            feed = torch.cat([tokens[:, cache_valid:block_start], block_tokens[:, max(0, cache_valid - block_start):]], dim=1)
-            out = backbone.step(state, feed)  # out[:, j] predicts grid position cache_valid + j + 1
-            passes += 1
-            first_fresh = max(block_start, cache_valid + 1)  # states before it are final from earlier passes
-            fresh = first_fresh - block_start
-            block_states[:, fresh:] = out[:, first_fresh - cache_valid - 1 : first_fresh - cache_valid - 1 + block - fresh]
-            block_p = token_distribution(backbone.scores(state, block_states, sampling.cfg_scale), sampling)  # (B, r*cols, V)
-            uniform = torch.rand(batch, block, generator=generator, device=device)
+def _draft_block(setup: _MuLoSetup, run: MuLoProgress, index: int) -> MuLoBlock:
+    """Steps 1-2: the drafter's low-res row, token by token through its own cache, upsampled to r rows."""
+    small, sampling = setup.small, setup.drafter_sampling
+    low_tokens, low_q = [], []
+    for column in range(small.geometry.cols):
+        scores = small.scores(setup.small_state, run.small_hidden[:, -1:], sampling.cfg_scale)
+        low_q.append(token_distribution(scores, sampling))  # (B, 1, V)
+        low_tokens.append(sample_from(low_q[-1], setup.generator))  # (B, 1)
+        if column + 1 < small.geometry.cols:
+            run.small_hidden = small.step(setup.small_state, low_tokens[-1])
+    low_row = torch.cat(low_tokens, dim=1)  # (B, cols / r)
+    tokens = upsample_block(low_row, run.committed_low[:, :index], small, setup.backbone, setup.scale,
+                            setup.config.upsample_mode, setup.resample, setup.latents).flatten(1)  # (B, r * cols)
+    q = block_proposals(low_row, torch.cat(low_q, dim=1), tokens, setup.scale) if setup.use_drafter_q else None
+    batch, size = tokens.shape
+    states = run.first_state.new_zeros(run.first_state.shape[0], size, run.first_state.shape[-1])
+    states[:, 0] = run.first_state[:, 0]
+    return MuLoBlock(index, index * size, tokens, q, states, torch.zeros(batch, dtype=torch.long, device=tokens.device),
+                     torch.zeros(batch, size, dtype=torch.bool, device=tokens.device))
 
-            if config.mode == "exact":
-                px = block_p.gather(-1, block_tokens[..., None])[..., 0]
-                passed = (uniform < px) | (position < committed[:, None])
-                first_rejected = torch.where(passed.all(1), block, (~passed).float().argmax(1))
-                open_images = committed < block
-                drafted += int(((block - committed) * open_images).sum())
-                accepted += int(((first_rejected - committed) * open_images).sum())
-                cache_valid = block_start + int(first_rejected.min())
-                rejected_images = torch.nonzero(first_rejected < block)[:, 0]
-                if len(rejected_images) == 0:
-                    h_first = out[:, -1:]
-                    cache_valid = block_start + block
-                    break
-                at = first_rejected[rejected_images]
-                residual = _without(block_p[rejected_images, at], block_tokens[rejected_images, at])
-                block_tokens[rejected_images, at] = sample_from(residual, generator)
-                committed = torch.where(first_rejected < block, first_rejected + 1, block)
-                if low_row == rows // scale - 1 and bool((committed >= block).all()):
-                    break
-            else:
-                if verify_passes == 1:  # the drafts: relaxed test against q, rejections grown into islands
-                    q_x = block_q.gather(-1, block_tokens[..., None])[..., 0] if block_q is not None else None
-                    passed = relaxed_accept(block_p, block_tokens, neighbours, config.delta, sampling.greedy,
-                                            uniform, q_x)
-                    drafted += batch * block
-                    accepted += int(passed.sum())
-                    redrawn = islands(~passed.view(batch, scale, cols), config.radius).flatten(1)
-                    redraw = block_p.clone()
-                    if block_q is not None:  # a rejected draft is redrawn from the residual norm(max(0, p - q))
-                        residual = (block_p - block_q).clamp(min=0)
-                        usable = ~passed & (residual.sum(-1) > 0)
-                        redraw[usable] = residual[usable]
-                    candidates = redrawn
-                else:  # a round: re-test the open tokens as point proposals against p that sees the redrawn ones
-                    passed = relaxed_accept(block_p, block_tokens, neighbours, config.delta, sampling.greedy,
-                                            uniform)
-                    # Only the first rejected open token is redrawn: its p saw final tokens only. Redrawing the
-                    # later ones too would update coupled neighbours at once, which oscillates into stripes.
-                    rejected_open = open_tokens & ~passed
-                    redrawn = rejected_open & (position == _first(rejected_open, block)[:, None])
-                    redraw = _without(block_p, block_tokens)
-                    candidates = open_tokens
-                if redrawn.any():
-                    block_tokens[redrawn] = sample_from(redraw[redrawn], generator)  # all islands at once
-                    cache_valid = block_start + int(_first(redrawn, block).min())  # the next pass re-feeds from there
-                else:
-                    cache_valid = block_start + block
-                # Up to the first redrawn token, every p saw final tokens only: those tokens are final; after it
-                # open tokens keep their stale draws and stay open.
-                open_tokens = candidates & (position > _first(redrawn, block)[:, None])
-                if open_tokens.any() and verify_passes <= config.rounds:
-                    continue  # re-verify the open tokens with the redrawn ones in context
-                h_first = out[:, -1:]
-                break
 
-        tokens[:, block_start : block_start + block] = block_tokens
-        # 4. The drafter continues from the accepted image, not from its own draft.
-        accepted_low = downsample_to_drafter(block_tokens.view(batch, scale, cols), backbone, small, scale,
-                                             resample, latents)
-        committed_low[:, low_row] = accepted_low[:, 0]
-        small.rollback(small_state, low_row * small_cols)
-        if low_row + 1 < rows // scale:
-            small_hidden = small.step(small_state, accepted_low.flatten(1))
+def _pass(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 3's pass over the block (after the committed tokens the cache lacks): (states, p (B, L, V), uniforms)."""
+    size = block.tokens.shape[1]
+    block.passes += 1
+    out = verification_pass(setup.backbone, setup.state, run.tokens, run.cache_valid, block.start, block.tokens,
+                            block.start + size)
+    run.passes += 1
+    write_block_states(block.states, out, run.cache_valid, block.start, block.start + size)
+    p = token_distribution(setup.backbone.scores(setup.state, block.states, setup.sampling.cfg_scale), setup.sampling)
+    uniform = torch.rand(block.tokens.shape, generator=setup.generator, device=p.device)
+    return out, p, uniform
 
-    return GenerationResult(tokens.view(batch, rows, cols), forward_passes=passes, drafted_tokens=drafted,
-                            accepted_tokens=accepted)
+
+def _verify_exact(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> bool:
+    """``mulo_exact``: prefix acceptance of point proposals, the first rejection from p without the draft.
+    True when the block is done."""
+    out, p, uniform = _pass(setup, run, block)
+    size = block.tokens.shape[1]
+    position = torch.arange(size, device=p.device)[None]
+    p_of_draft = probability_of(p, block.tokens)
+    passed = accept_drafts(p_of_draft, torch.ones_like(p_of_draft), uniform) | (position < block.committed[:, None])
+    first_rejected = first_true(~passed, size)
+    open_images = block.committed < size
+    run.drafted += int(((size - block.committed) * open_images).sum())
+    run.accepted += int(((first_rejected - block.committed) * open_images).sum())
+    run.cache_valid = block.start + int(first_rejected.min())
+    rejected_images = torch.nonzero(first_rejected < size)[:, 0]
+    if len(rejected_images) == 0:
+        run.first_state = out[:, -1:]
+        run.cache_valid = block.start + size
+        return True
+    at = first_rejected[rejected_images]
+    correction = point_residual(p[rejected_images, at], block.tokens[rejected_images, at])
+    block.tokens[rejected_images, at] = sample_from(correction, setup.generator)
+    block.committed = torch.where(first_rejected < size, first_rejected + 1, size)
+    last_block = block.index == run.committed_low.shape[1] - 1
+    return last_block and bool((block.committed >= size).all())  # no next block needs the state after it
+
+
+def _verify_relaxed(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> bool:
+    """``mulo``: relaxed acceptance, rejections grown into islands redrawn in parallel, then ``rounds`` passes
+    that re-test the tokens redrawn from a stale context, in raster order. True when the block is done."""
+    out, p, uniform = _pass(setup, run, block)
+    config, size = setup.config, block.tokens.shape[1]
+    position = torch.arange(size, device=p.device)[None]
+    if block.passes == 1:  # the drafts: relaxed test against q, rejections grown into islands
+        q_of_draft = probability_of(block.q, block.tokens) if block.q is not None else None
+        passed = relaxed_accept(p, block.tokens, setup.neighbours, config.delta, setup.sampling.greedy, uniform,
+                                q_of_draft)
+        run.drafted += block.tokens.numel()
+        run.accepted += int(passed.sum())
+        redrawn = islands(~passed.view(len(passed), setup.scale, -1), config.radius).flatten(1)
+        redraw = island_redraw_distributions(p, block.q, passed, redrawn)
+        candidates = redrawn
+    else:  # a round: re-test the open tokens as point proposals against p that sees the redrawn ones
+        passed = relaxed_accept(p, block.tokens, setup.neighbours, config.delta, setup.sampling.greedy, uniform)
+        # Only the first rejected open token is redrawn: its p saw final tokens only. Redrawing the later
+        # ones too would update coupled neighbours at once, which oscillates into stripes.
+        rejected_open = block.open_tokens & ~passed
+        redrawn = rejected_open & (position == first_true(rejected_open, size)[:, None])
+        redraw = point_residual(p[redrawn], block.tokens[redrawn])
+        candidates = block.open_tokens
+    first_redrawn = first_true(redrawn, size)
+    if redrawn.any():
+        block.tokens[redrawn] = sample_from(redraw, setup.generator)  # all islands at once
+        run.cache_valid = block.start + int(first_redrawn.min())  # the next pass re-feeds from there
+    else:
+        run.cache_valid = block.start + size
+    # Up to the first redrawn token every p saw final tokens only: those tokens are final; after it open
+    # tokens keep their stale draws and stay open.
+    block.open_tokens = candidates & (position > first_redrawn[:, None])
+    if block.open_tokens.any() and block.passes <= config.rounds:
+        return False  # re-verify the open tokens with the redrawn ones in context
+    run.first_state = out[:, -1:]
+    return True
+
+
+def _commit_block(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> None:
+    """Step 4: write the block; the drafter's cache gets the accepted image downsampled instead of its draft."""
+    size = block.tokens.shape[1]
+    run.tokens[:, block.start : block.start + size] = block.tokens
+    small, scale = setup.small, setup.scale
+    accepted_low = downsample_to_drafter(block.tokens.view(len(block.tokens), scale, -1), setup.backbone, small,
+                                         scale, setup.resample, setup.latents)
+    run.committed_low[:, block.index] = accepted_low[:, 0]
+    small.rollback(setup.small_state, block.index * small.geometry.cols)
+    if block.index + 1 < run.committed_low.shape[1]:
+        run.small_hidden = small.step(setup.small_state, accepted_low.flatten(1))

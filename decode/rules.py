@@ -133,6 +133,22 @@ def islands(rejected: torch.Tensor, radius: int) -> torch.Tensor:
     return grown > 0
 
 
+def island_redraw_distributions(p: torch.Tensor, q: torch.Tensor | None, passed: torch.Tensor,
+                                redrawn: torch.Tensor) -> torch.Tensor:
+    """What MuLo-SD redraws each island cell from: p (B, L, V), q (B, L, V) or None (point proposals),
+    passed / redrawn (B, L) -> (k, V) for the k redrawn cells.
+
+    A rejected draft is redrawn from the residual ``norm(max(0, p - q))``; an
+    accepted cell that its neighbourhood pulled into an island, and every cell
+    of a point proposal, from ``p`` itself.
+    """
+    redraw = p[redrawn]
+    if q is not None:
+        rejected = ~passed[redrawn]
+        redraw[rejected] = residual_distribution(redraw[rejected], q[redrawn][rejected])
+    return redraw
+
+
 def count_islands(mask: torch.Tensor) -> list[int]:
     """The number of 8-connected islands in each image of a mask (B, H, W) (for reports and tests)."""
     return [int(ndimage.label(image, structure=np.ones((3, 3)))[1]) for image in mask.cpu().numpy()]

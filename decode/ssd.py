@@ -106,7 +106,7 @@ class SSDDecodeConfig:
     # in that pass; costs a row of tokens per pass it is added to (free on a GPU at small batch, not on a CPU).
     lookahead: bool = False
     lookahead_confidence: float = 0.0
-    # LANTERN relaxation of the acceptance test (decode/relaxed.py): a draft also counts the target mass of its
+    # LANTERN relaxation of the acceptance test (decode/rules.py): a draft also counts the target mass of its
     # relax_k nearest codebook neighbours, up to relax_delta. 0 keeps the exact test (and exactness); > 0 trades
     # exactness for acceptance. Sampled decoding only (greedy verification compares argmaxes).
     relax_k: int = 0

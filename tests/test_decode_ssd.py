@@ -11,7 +11,6 @@ from backbones.base import Condition
 from backbones.digits import random_digits_backbone
 from decode.ar import generate_ar
 from decode.sampling import SamplingConfig, token_distribution
-from decode.rules import residual_distribution
 from decode.ssd import SSDDecodeConfig, generate_ssd
 
 GREEDY = SamplingConfig(greedy=True)
@@ -71,13 +70,6 @@ def test_lookahead_verifies_the_next_row_in_the_pass_that_finishes_this_one():
     # (rows 1 and 3: 5 drafts); a row starting its own pass gets it from the backbone (rows 0 and 2: 4).
     assert result.forward_passes == 1 + 2
     assert result.accepted_tokens == result.drafted_tokens == 2 * (4 + 5 + 4 + 5)
-
-
-def test_residual_distribution():
-    p = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.2, 0.6, 0.2])
-    torch.testing.assert_close(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
-    torch.testing.assert_close(residual_distribution(p, p), p)  # nothing left: fall back to p
 
 
 # ---- the real (tiny) digits backbone ---------------------------------------------------------

@@ -7,24 +7,10 @@ from conftest import compose_config
 from backbones.base import Condition
 from backbones.digits import random_digits_backbone
 from decode import SamplingConfig, generate_ar
-from decode.mulo import (
-    MuLoDecodeConfig,
-    block_proposals,
-    count_islands,
-    generate_mulo,
-    islands,
-    latent_neighbours,
-    pooled_neighbour_mass,
-    relaxed_accept,
-    upsample_block,
-)
+from decode.mulo import MuLoDecodeConfig, generate_mulo
+from decode.mulo_resampling import block_proposals, downsample_to_drafter, upsample_block, upsample_to_backbone
 from heads.export import HeadsMismatchError, export_heads, load_heads
-from heads.mulo import (
-    MuLoDrafter,
-    MuLoDrafterConfig,
-    downsample_to_drafter,
-    upsample_to_backbone,
-)
+from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 
 GRID12 = dict(grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -40,52 +26,7 @@ def random_drafter(scale=3, seed=1):
                                          num_layers=1, num_heads=1, intermediate_size=32)).eval()
 
 
-# ---- relaxed acceptance ------------------------------------------------------------------------
-
-def test_latent_neighbours_are_nearest_first():
-    latents = torch.tensor([[0.0], [0.1], [0.3], [0.35], [1.0]])
-    assert latent_neighbours(latents, 2).tolist() == [[1, 2], [0, 2], [3, 1], [2, 1], [3, 2]]
-
-
-def test_pooled_mass_takes_the_longest_prefix_within_delta():
-    neighbours = torch.tensor([[1, 2, 3], [0, 2, 3], [1, 3, 0], [2, 1, 0]])
-    p = torch.tensor([[0.4, 0.1, 0.15, 0.35]])
-    x = torch.tensor([0])  # neighbours of 0: 1 (0.1), 2 (0.15), 3 (0.35): prefix sums 0.1, 0.25, 0.6
-    assert pooled_neighbour_mass(p, x, neighbours, delta=0.3).item() == pytest.approx(0.25)
-    assert pooled_neighbour_mass(p, x, neighbours, delta=0.2).item() == pytest.approx(0.1)
-    assert pooled_neighbour_mass(p, x, neighbours, delta=0.05).item() == 0.0
-    assert pooled_neighbour_mass(p, x, neighbours, delta=0.0).item() == 0.0
-
-
-def test_relaxed_acceptance_follows_the_formula_and_reduces_to_standard_with_delta_zero():
-    neighbours = torch.tensor([[1, 2], [0, 2], [1, 0]])
-    p = torch.tensor([[0.2, 0.5, 0.3]] * 4)
-    x = torch.tensor([0, 0, 2, 2])
-    u = torch.tensor([0.15, 0.25, 0.25, 0.35])
-    # delta = 0: accept with probability p(x): u < 0.2, u < 0.2, u < 0.3, u < 0.3
-    assert relaxed_accept(p, x, neighbours, 0.0, greedy=False, uniform=u).tolist() == [True, False, True, False]
-    # delta = 0.5: x=0 pools p(1)=0.5 -> 0.7; x=2 pools p(1)=0.5 -> 0.8
-    assert relaxed_accept(p, x, neighbours, 0.5, greedy=False, uniform=u).tolist() == [True, True, True, True]
-    # greedy: delta = 0 accepts only the argmax; with pooling, x=2 (0.3 + 0.5) beats max p = 0.5
-    assert relaxed_accept(p, x, neighbours, 0.0, greedy=True, uniform=u).tolist() == [False] * 4
-    assert relaxed_accept(p, torch.tensor([1, 2, 2, 2]), neighbours, 0.5, greedy=True, uniform=u).tolist() == [True] * 4
-
-
-def test_relaxed_acceptance_divides_by_the_proposal_probability():
-    neighbours = torch.tensor([[1, 2], [0, 2], [1, 0]])
-    p = torch.tensor([[0.2, 0.5, 0.3]] * 4)
-    x = torch.tensor([0, 0, 2, 2])
-    q_x = torch.tensor([0.4, 0.4, 0.3, 0.3])
-    u = torch.tensor([0.45, 0.55, 0.99, 0.0])
-    # delta = 0: accept with probability min(1, p(x) / q(x)): 0.5, 0.5, 1, 1
-    assert relaxed_accept(p, x, neighbours, 0.0, greedy=False, uniform=u, q_of_tokens=q_x).tolist() == \
-        [True, False, True, True]
-    # delta = 0.5: x=0 pools p(1) -> min(1, 0.7 / 0.4) = 1
-    assert relaxed_accept(p, x, neighbours, 0.5, greedy=False, uniform=u, q_of_tokens=q_x).all()
-    # a drafter that proposes exactly p is always accepted, whatever the uniform
-    u = torch.rand(4)
-    assert relaxed_accept(p, x, neighbours, 0.0, False, u, q_of_tokens=p.gather(-1, x[:, None])[:, 0]).all()
-
+# ---- proposals ----------------------------------------------------------------------------------
 
 def test_block_proposals_take_the_drafters_cell_distribution_where_the_upsampler_kept_the_token():
     low_tokens = torch.tensor([[1, 2]])  # one low-res row of 2 cells, r = 2 -> a block of 2 rows x 4 columns
@@ -97,23 +38,6 @@ def test_block_proposals_take_the_drafters_cell_distribution_where_the_upsampler
     for position, cell in [(0, 0), (1, 0), (2, 1), (4, 0), (6, 1), (7, 1)]:
         assert torch.equal(q[0, position], low_q[0, cell])
     assert q[0, 3].tolist() == [1.0, 0.0, 0.0] and q[0, 5].tolist() == [0.0, 0.0, 1.0]  # point proposals
-
-
-# ---- islands -----------------------------------------------------------------------------------
-
-def test_islands_are_8_connected_and_grow_by_the_radius_within_borders():
-    rejected = torch.zeros(1, 3, 8, dtype=torch.bool)
-    rejected[0, 0, 0] = rejected[0, 1, 1] = True  # diagonal neighbours: one island under 8-connectivity
-    rejected[0, 2, 6] = True
-    grown = islands(rejected, radius=0)
-    assert count_islands(grown) == [2] and torch.equal(grown, rejected)
-    grown = islands(rejected, radius=1)
-    assert count_islands(grown) == [2]
-    assert grown[0, :, :3].all() and not grown[0, :, 3].any()  # clipped at the left border, 3 wide
-    assert grown[0, 1:, 5:].all() and not grown[0, 0, 5:].any()  # the corner island stays inside the block
-    far = torch.zeros(1, 3, 8, dtype=torch.bool)
-    far[0, 1, 1] = far[0, 1, 5] = True
-    assert count_islands(islands(far, radius=1)) == [2] and count_islands(islands(far, radius=2)) == [1]  # merges
 
 
 # ---- the upsampler -----------------------------------------------------------------------------

@@ -21,15 +21,8 @@ from backbones.tar import random_tar_backbone
 from decode import SamplingConfig, generate_ar
 from decode.mulo import MuLoDecodeConfig, generate_mulo
 from heads.export import HEADS_FILE, HeadsMismatchError, export_heads, load_heads
-from heads.mulo import (
-    MuLoDrafter,
-    MuLoDrafterConfig,
-    MuLoLlamaDrafterModel,
-    downsample_latents,
-    downsample_to_drafter,
-    upsample_latents,
-    upsample_to_backbone,
-)
+from decode.mulo_resampling import downsample_latents, downsample_to_drafter, upsample_latents, upsample_to_backbone
+from heads.mulo import MuLoDrafter, MuLoDrafterConfig, MuLoLlamaDrafterModel
 
 TINY_DRAFTER = dict(scale=2, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32)
 NO_CODEBOOK = "ignore:.*no codebook latents"  # tiny LlamaGen has no VQ checkpoint: the embedding proxy is used

@@ -20,12 +20,8 @@ import torch.nn.functional as F
 from backbones.base import ARImageBackbone, Condition
 from data.corpus import batch_condition, group_by_prompt_length
 from heads.export import export_heads
-from heads.mulo import (
-    MuLoDrafter,
-    MuLoDrafterConfig,
-    downsample_to_drafter,
-    resampling_latents,
-)
+from decode.mulo_resampling import downsample_to_drafter, resampling_latents
+from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from train.schedules import warmup_cosine
 
 
