@@ -106,6 +106,46 @@ class DecodeState:
         return 2 * self.batch_size if self.guided else self.batch_size
 
 
+def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
+                           max_batch: int | None = None) -> list[tuple[torch.Tensor, Condition]]:
+    """Split a condition into batches the adapters accept: ``[(indices, condition of those rows)]``.
+
+    Text-to-image adapters feed a batch's prompts without padding, so prompts of
+    one batch must tokenize to the same length. Prompts are tokenized one by one
+    with the backbone's own `prompt_token_ids` and grouped by length (groups in
+    order of first appearance, rows in their original order within a group);
+    each group is a ``Condition(prompts=...)`` of its prompts. Class ids and token
+    ids come back as they are. `max_batch` also cuts every group into batches of
+    at most that many rows.
+    """
+    size = condition.batch_size
+    if condition.prompts is None:
+        groups = [(torch.arange(size), condition)]
+    else:
+        tokenize = getattr(backbone, "prompt_token_ids", None)
+        if tokenize is None:
+            raise ValueError(f"{backbone.name} takes no prompts; it is class-conditional: give class ids "
+                             "(data.spec.conditions=class_ids for a corpus)")
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(condition.prompts):
+            by_length.setdefault(tokenize(Condition(prompts=[prompt])).shape[1], []).append(i)
+        groups = [(torch.tensor(rows), Condition(prompts=[condition.prompts[i] for i in rows]))
+                  for rows in by_length.values()]
+    if max_batch is None:
+        return groups
+    return [(indices[start : start + max_batch], select_rows(group, slice(start, start + max_batch)))
+            for indices, group in groups for start in range(0, len(indices), max_batch)]
+
+
+def select_rows(condition: Condition, rows: slice) -> Condition:
+    """The condition of a slice of its rows."""
+    if condition.class_ids is not None:
+        return Condition(class_ids=condition.class_ids[rows])
+    if condition.token_ids is not None:
+        return Condition(token_ids=condition.token_ids[rows])
+    return Condition(prompts=condition.prompts[rows])
+
+
 def mean_prompt_embedding(embedding: nn.Module, token_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
     """(B, L) prompt ids -> (B, D): the mean of their input embeddings, pad tokens left out (fp32)."""
     with torch.no_grad():

@@ -25,11 +25,40 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
-from data.atomic_io import atomic_save_safetensors, atomic_write_text
-from data.digits import NUM_CLASSES, DigitsTokenizer
+from common.atomic_io import atomic_save_safetensors, atomic_write_text
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+
+
+NUM_CLASSES = 10  # the ten digits; the class embedding adds a null class for guidance
+
+
+@dataclass(frozen=True)
+class DigitsTokenizer:
+    """Maps grey images in [0, 1] to intensity tokens and back.
+
+    Token t stands for intensity t / (levels - 1); the codebook latents are those
+    intensities, shape (levels, 1).
+    """
+
+    levels: int = 16
+
+    def __post_init__(self):
+        if not 2 <= self.levels <= 256:
+            raise ValueError(f"tokenizer levels must be in [2, 256], got {self.levels}")
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """(..., H, W) float in [0, 1] -> (..., H, W) long tokens."""
+        return torch.round(images.clamp(0, 1) * (self.levels - 1)).long()
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(..., H, W) long tokens -> (..., H, W) float intensities in [0, 1]."""
+        return tokens.float() / (self.levels - 1)
+
+    def codebook_latents(self) -> torch.Tensor:
+        """(levels, 1): the intensity each token stands for."""
+        return torch.linspace(0, 1, self.levels).unsqueeze(1)
 
 
 @dataclass

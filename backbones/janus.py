@@ -116,7 +116,7 @@ class JanusBackbone(ARImageBackbone):
         if mask is not None and not bool(mask.all()):
             raise ValueError(
                 "prompts of one batch must tokenize to the same length (left padding is not implemented); "
-                "decode them in separate batches (data.corpus.group_by_prompt_length does that)"
+                "decode them in separate batches (backbones.base.group_by_prompt_length does that)"
             )
         return encoded["input_ids"].long()
 

@@ -28,7 +28,7 @@ Conditions: ``Condition(token_ids=...)`` (B, L) is the whole prompt prefix in th
 vocabulary, up to and including the image header, i.e. it must end with
 ``[<racm3:break>, <h-size>, <w-size>]`` (`image_header_length` = 3 tokens); the hidden state of
 its last token predicts grid token 0. Prompts of one batch must have the same length (no
-padding of conditional prompts is implemented; `data.corpus.group_by_prompt_length` splits a
+padding of conditional prompts is implemented; `backbones.base.group_by_prompt_length` splits a
 ragged batch). ``Condition(prompts=...)`` needs the tokenizer (`load_lumina_backbone` loads the
 processor from the weights directory) and builds what Lumina-mGPT's ``FlexARInferenceSolver``
 feeds for text-to-image (its ``Conversation`` template; transformers' ``ChameleonProcessor``
@@ -190,7 +190,7 @@ class LuminaBackbone(ARImageBackbone):
             rows.append([bos, *tokenizer(text, add_special_tokens=False)["input_ids"], *header])
         if len({len(r) for r in rows}) != 1:
             raise ValueError("prompts of one batch must tokenize to the same length (padding is not implemented); "
-                             "decode them in separate batches (data.corpus.group_by_prompt_length does that)")
+                             "decode them in separate batches (backbones.base.group_by_prompt_length does that)")
         return torch.tensor(rows, dtype=torch.long)
 
     def unconditional_token_ids(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

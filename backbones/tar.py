@@ -118,7 +118,7 @@ class TarBackbone(ARImageBackbone):
                 rows.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             if len({len(r) for r in rows}) != 1:
                 raise ValueError("prompts of one batch must tokenize to the same length (padding is not "
-                                 "implemented); decode them in separate batches (data.corpus.group_by_prompt_length "
+                                 "implemented); decode them in separate batches (backbones.base.group_by_prompt_length "
                                  "does that)")
             ids = torch.tensor(rows, dtype=torch.long)
         else:

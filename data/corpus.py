@@ -21,7 +21,7 @@ reused.
 Conditions (`CorpusSpec.conditions`): ``class_ids`` balances the classes
 ``0..num_classes-1`` (digits 10, LlamaGen's ImageNet 1000) and shuffles them per
 shard; ``prompts`` cycles through the prompt list of `prompt_source` (see
-data/prompts.py) in order, so image ``i`` has prompt ``i % len(prompts)``.
+decode/conditions.py) in order, so image ``i`` has prompt ``i % len(prompts)``.
 Prompts of one generation batch must tokenize to the same length for most
 adapters, so a prompt shard is generated in groups of equal token length
 (`group_by_prompt_length`) and written back in image order; online training
@@ -43,10 +43,10 @@ import torch
 import webdataset as wds
 from tqdm import tqdm
 
-from backbones.base import ARImageBackbone, Condition
-from data.atomic_io import atomic_path, atomic_write_text
-from data.digits import NUM_CLASSES
-from data.prompts import load_prompts
+from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
+from common.atomic_io import atomic_path, atomic_write_text
+from backbones.digits import NUM_CLASSES
+from decode.conditions import load_prompts
 
 log = logging.getLogger(__name__)
 MANIFEST = "corpus.json"
@@ -147,45 +147,6 @@ def _shard_condition(spec: CorpusSpec, shard: int) -> Condition:
     if spec.conditions == "prompts":
         return Condition(prompts=_prompts_for_shard(spec, shard))
     return Condition(class_ids=_class_ids_for_shard(spec, shard))
-
-
-def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
-                           max_batch: int | None = None) -> list[tuple[torch.Tensor, Condition]]:
-    """Split a condition into batches the adapters accept: ``[(indices, condition of those rows)]``.
-
-    Text-to-image adapters feed a batch's prompts without padding, so prompts of
-    one batch must tokenize to the same length. Prompts are tokenized one by one
-    with the backbone's own `prompt_token_ids` and grouped by length (groups in
-    order of first appearance, rows in their original order within a group);
-    each group is a ``Condition(prompts=...)`` of its prompts. Class ids and token
-    ids come back as they are. `max_batch` also cuts every group into batches of
-    at most that many rows.
-    """
-    size = condition.batch_size
-    if condition.prompts is None:
-        groups = [(torch.arange(size), condition)]
-    else:
-        tokenize = getattr(backbone, "prompt_token_ids", None)
-        if tokenize is None:
-            raise ValueError(f"{backbone.name} takes no prompts; it is class-conditional: set "
-                             "data.spec.conditions=class_ids (and data.spec.num_classes)")
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(condition.prompts):
-            by_length.setdefault(tokenize(Condition(prompts=[prompt])).shape[1], []).append(i)
-        groups = [(torch.tensor(rows), Condition(prompts=[condition.prompts[i] for i in rows]))
-                  for rows in by_length.values()]
-    if max_batch is None:
-        return groups
-    return [(indices[start : start + max_batch], _select(group, slice(start, start + max_batch)))
-            for indices, group in groups for start in range(0, len(indices), max_batch)]
-
-
-def _select(condition: Condition, rows: slice) -> Condition:
-    if condition.class_ids is not None:
-        return Condition(class_ids=condition.class_ids[rows])
-    if condition.token_ids is not None:
-        return Condition(token_ids=condition.token_ids[rows])
-    return Condition(prompts=condition.prompts[rows])
 
 
 def grouped_teacher_forced_hidden(backbone: ARImageBackbone, condition: Condition, tokens: torch.Tensor,

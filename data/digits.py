@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-NUM_CLASSES = 10
 # Digit size on the canvas when rendered without augmentation (the middle of DigitsAugment's range).
 UNAUGMENTED_SCALE = 0.8
 # Fixed split of the 1,797 digits: the permutation seed is part of the data set's identity.
@@ -54,33 +53,6 @@ class DigitsAugment:
     max_shift: float = 0.12  # in normalised coordinates (2.0 = full width): ~1.4 px at 24x24
     elastic_strength: float = 0.05  # amplitude of the smooth displacement field; 0 disables
     elastic_grid: int = 4  # the displacement field is random on a coarse grid, then smoothed
-
-
-@dataclass(frozen=True)
-class DigitsTokenizer:
-    """Maps grey images in [0, 1] to intensity tokens and back.
-
-    Token t stands for intensity t / (levels - 1); the codebook latents are those
-    intensities, shape (levels, 1).
-    """
-
-    levels: int = 16
-
-    def __post_init__(self):
-        if not 2 <= self.levels <= 256:
-            raise ValueError(f"tokenizer levels must be in [2, 256], got {self.levels}")
-
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """(..., H, W) float in [0, 1] -> (..., H, W) long tokens."""
-        return torch.round(images.clamp(0, 1) * (self.levels - 1)).long()
-
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(..., H, W) long tokens -> (..., H, W) float intensities in [0, 1]."""
-        return tokens.float() / (self.levels - 1)
-
-    def codebook_latents(self) -> torch.Tensor:
-        """(levels, 1): the intensity each token stands for."""
-        return torch.linspace(0, 1, self.levels).unsqueeze(1)
 
 
 def render_digits(

@@ -6,7 +6,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from data.digits import DigitsAugment, DigitsTokenizer, load_digit_images, render_digits
+from backbones.digits import DigitsTokenizer
+from data.digits import DigitsAugment, load_digit_images, render_digits
 
 
 class AugmentedDigitsDataset(Dataset):

@@ -3,12 +3,15 @@
 Public API (stable; use it from your own scripts)::
 
     from decode import Condition, SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
+    from decode import MuLoDecodeConfig, generate_mulo
 """
 
 from backbones.base import Condition
 from decode.ar import generate_ar
+from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
 
-__all__ = ["Condition", "GenerationResult", "SamplingConfig", "SSDDecodeConfig", "generate_ar", "generate_ssd"]
+__all__ = ["Condition", "GenerationResult", "MuLoDecodeConfig", "SamplingConfig", "SSDDecodeConfig", "generate_ar",
+           "generate_mulo", "generate_ssd"]

@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from data.paths import register_config_resolvers
+from common.paths import register_config_resolvers
 
 register_config_resolvers()
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from backbones.base import ARImageBackbone, Condition
+from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig, sample_tokens
+
+
+@dataclass(frozen=True)
+class ARDecodeConfig:
+    """The baseline has no settings of its own: sampling comes from SamplingConfig."""
 
 
 @torch.inference_mode()
@@ -45,3 +53,10 @@ def generate_ar(
             hidden = backbone.step(state, next_token)
     return GenerationResult(tokens.view(-1, geometry.rows, geometry.cols), forward_passes=geometry.num_tokens,
                             hidden=recorded)
+
+
+def _generate(backbone, _artefact, condition, sampling, generator, _settings: ARDecodeConfig) -> GenerationResult:
+    return generate_ar(backbone, condition, sampling, generator)
+
+
+METHOD = MethodSpec(generate=_generate, settings=ARDecodeConfig)

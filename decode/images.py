@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data.atomic_io import atomic_path
+from common.atomic_io import atomic_path
 
 
 def save_image_grid(images: torch.Tensor, path: str | Path, columns: int = 10, scale: int = 4, padding: int = 1) -> None:

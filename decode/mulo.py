@@ -69,6 +69,7 @@ import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
 from decode.mulo_resampling import block_proposals, downsample_to_drafter, resampling_latents, upsample_block
+from decode.method import MethodSpec
 from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
 from decode.rules import (
@@ -317,3 +318,11 @@ def _commit_block(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> Non
     small.rollback(setup.small_state, block.index * small.geometry.cols)
     if block.index + 1 < run.committed_low.shape[1]:
         run.small_hidden = small.step(setup.small_state, accepted_low.flatten(1))
+
+
+def _generate(backbone, drafter, condition, sampling, generator, settings: MuLoDecodeConfig) -> GenerationResult:
+    return generate_mulo(backbone, drafter, condition, sampling, generator, settings)
+
+
+METHOD = MethodSpec(generate=_generate, settings=MuLoDecodeConfig, artefact="drafter", artefact_kind="mulo",
+                    lossless=lambda settings: settings.mode == "exact")

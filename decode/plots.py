@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from data.atomic_io import atomic_path
+from common.atomic_io import atomic_path
 
 log = logging.getLogger(__name__)
 

@@ -64,6 +64,7 @@ from typing import Literal
 import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
+from decode.method import MethodSpec
 from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
 from decode.rules import (
@@ -346,3 +347,15 @@ def _finish_row(run: SSDProgress, row: SSDRow, config: SSDDecodeConfig) -> None:
     # The state after this row's last token (a lookahead pass fed the next row after it).
     run.first_state = out[:, row.start + cols - start - 1 : row.start + cols - start] if last_fed else None
     run.above = (row.states, row.drafts.tokens)
+
+
+def _generate(backbone, heads, condition, sampling, generator, settings: SSDDecodeConfig) -> GenerationResult:
+    return generate_ssd(backbone, heads, condition, sampling, generator, settings)
+
+
+def _lossless(settings: SSDDecodeConfig) -> bool:
+    return settings.mode == "exact" and not (settings.relax_k and settings.relax_delta)
+
+
+METHOD = MethodSpec(generate=_generate, settings=SSDDecodeConfig, artefact="heads", artefact_kind="ssd",
+                    lossless=_lossless)

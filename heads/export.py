@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from data.atomic_io import atomic_save_safetensors, atomic_write_text
+from common.atomic_io import atomic_save_safetensors, atomic_write_text
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
 

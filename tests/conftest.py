@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 from backbones.digits import random_digits_backbone
-from data.paths import PROJECT_ROOT, register_config_resolvers
+from common.paths import PROJECT_ROOT, register_config_resolvers
 
 register_config_resolvers()
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -36,8 +36,12 @@ def tiny_backbone():
 
 @pytest.fixture(scope="session")
 def classifier_cache(tmp_path_factory) -> Path:
-    """A checkpoints dir shared by the tests, so the tiny-grid classifier is trained once per session."""
-    return tmp_path_factory.mktemp("checkpoints")
+    """A checkpoints dir holding the digits classifier of the tiny grid (8x8, 8 levels), trained once per session."""
+    from train.digits_classifier import train_and_save
+
+    directory = tmp_path_factory.mktemp("checkpoints")
+    train_and_save(directory / "digits-classifier", TINY_BACKBONE["grid_size"], TINY_BACKBONE["levels"], log=lambda _: None)
+    return directory
 
 
 @pytest.fixture(autouse=True)

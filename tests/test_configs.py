@@ -110,3 +110,14 @@ def test_slurm_launcher_config_composes(tmp_path):
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.nodes == 4 and launcher.tasks_per_node == launcher.gpus_per_node == 8
+
+
+def test_every_generator_base_lists_every_setting_so_any_can_be_overridden():
+    from omegaconf import OmegaConf
+
+    from decode.mulo import MuLoDecodeConfig
+    from decode.ssd import SSDDecodeConfig
+
+    for name, settings, artefact in (("ssd", SSDDecodeConfig, "heads"), ("mulo", MuLoDecodeConfig, "drafter")):
+        base = OmegaConf.load(CONF_DIR / "method" / "base" / f"{name}.yaml")
+        assert set(base) - {"generator", artefact} == set(settings.__dataclass_fields__), name

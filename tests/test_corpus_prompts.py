@@ -11,7 +11,7 @@ import torch
 from backbones.base import Condition
 from backbones.emu3 import random_emu3_backbone
 from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
-from data.prompts import load_prompts
+from decode.conditions import load_prompts
 from decode.ar import generate_ar
 from decode.sampling import SamplingConfig
 from train.ssd_module import SSDDistillation

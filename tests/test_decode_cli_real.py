@@ -108,7 +108,7 @@ class _PromptLengths:
 
 
 def test_prompts_are_batched_by_token_length_in_order():
-    from decode.cli import Conditions
+    from decode.conditions import Conditions
 
     conditions = Conditions(prompts=["a red fox", "a cat", "a blue bird", "a dog", "the small grey cat", "an owl"])
     batches = conditions.batches(2, _PromptLengths())
@@ -124,7 +124,7 @@ def test_text_to_image_decodes_prompts_with_fid_and_clip(tmp_path, name, build):
     from test_real_quality import save_reference_images, save_tiny_clip
 
     from backbones.base import Condition
-    from data.prompts import load_prompts
+    from decode.conditions import load_prompts
     from decode import SamplingConfig, generate_ar
 
     backbone = hydra.utils.instantiate({"_target_": build, "seed": 0, "tokenizer": True})

@@ -1,6 +1,7 @@
 import torch
 
-from data.digits import DigitsAugment, DigitsTokenizer, load_digit_images, render_digits
+from backbones.digits import DigitsTokenizer
+from data.digits import DigitsAugment, load_digit_images, render_digits
 
 
 def test_splits_are_disjoint_and_cover_the_data():

@@ -69,7 +69,7 @@ def test_an_interrupted_export_leaves_the_previous_one_loadable(tiny_backbone, t
     first = trained_looking_heads()
     export_heads(first, tmp_path, tiny_backbone.identity())
 
-    import data.atomic_io as atomic_io
+    import common.atomic_io as atomic_io
 
     def crash_mid_write(tensors, path, metadata=None):
         with open(path, "wb") as handle:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from data.corpus import batch_condition
-from data.prompts import balanced_class_ids, load_prompts
+from decode.conditions import balanced_class_ids, load_prompts
 
 
 def test_shipped_smoke_prompts():

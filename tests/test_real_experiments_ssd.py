@@ -17,7 +17,8 @@ import torch
 from conftest import compose_config
 
 from backbones.base import Condition
-from data.corpus import group_by_prompt_length, grouped_teacher_forced_hidden
+from backbones.base import group_by_prompt_length
+from data.corpus import grouped_teacher_forced_hidden
 from heads.export import load_heads
 from train.pipeline import run_training
 

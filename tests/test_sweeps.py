@@ -49,3 +49,30 @@ def test_optuna_sweep_runs_two_trials(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
         assert len(list(csv.DictReader(handle))) == 2
+
+
+@pytest.mark.slow
+def test_a_decode_setting_swept_with_multirun_lands_in_one_summary_table(tmp_path, classifier_cache):
+    import hydra
+    from conftest import compose_config, random_ssd_heads
+
+    from heads.export import export_heads
+
+    backbone = hydra.utils.instantiate(compose_config(["backbone=digits_tiny"], tmp_path).backbone)
+    export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
+    command = [sys.executable, "-m", "decode", "-m", "backbone=digits_tiny", "decode.methods=[ar,ssd_autocorrect]",
+               "decode.presets.ssd_autocorrect.rounds=0,2", "decode.num_images=2", "decode.batch_size=2",
+               f"decode.heads={tmp_path / 'heads'}", f"paths.checkpoints_dir={classifier_cache}",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["method"]) for row in rows] == [("0", "ar"), ("0", "ssd_autocorrect"), ("1", "ar"),
+                                                            ("1", "ssd_autocorrect")]
+    assert "rounds=0" in rows[1]["overrides"] and "rounds=2" in rows[3]["overrides"]
+    # rounds bound the passes: 8 rows of an 8x8 image, at most rounds + 1 passes each, plus the prefill
+    assert float(rows[1]["forward_passes_per_image"]) == 1 + 8 < float(rows[3]["forward_passes_per_image"])
+    assert "quality.classifier_accuracy" in rows[0]
+    for job in (0, 1):  # each job wrote its own report
+        assert (tmp_path / "sweep" / str(job) / "metrics.json").is_file()

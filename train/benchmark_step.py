@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from backbones.digits import DigitsBackbone
-from data.atomic_io import atomic_write_text
+from common.atomic_io import atomic_write_text
 from data.corpus import batch_condition
-from data.paths import PROJECT_ROOT
+from common.paths import PROJECT_ROOT
 from train.ssd_module import SSDDistillation
 
 

@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from data.atomic_io import atomic_write_text
-from data.paths import PROJECT_ROOT
+from common.atomic_io import atomic_write_text
+from common.paths import PROJECT_ROOT
 
 GB = 1024**3
 BF16, FP32 = 2, 4

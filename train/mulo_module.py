@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from backbones.base import ARImageBackbone, Condition
-from data.corpus import batch_condition, group_by_prompt_length
+from backbones.base import group_by_prompt_length
+from data.corpus import batch_condition
 from heads.export import export_heads
 from decode.mulo_resampling import downsample_to_drafter, resampling_latents
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from data.atomic_io import atomic_write_text
+from common.atomic_io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,9 @@ def evaluate_export(cfg: DictConfig, export_dir: Path) -> dict:
         eval_cfg.decode.methods = list(settings.methods)
         eval_cfg.decode.num_images = settings.num_images
         eval_cfg.decode.batch_size = settings.batch_size
+        eval_cfg.decode.seeds = settings.get("seeds", 1)
         eval_cfg.decode.heads = str(export_dir)
         eval_cfg.decode.out = str(Path(cfg.paths.output_dir) / "evaluation")
-    print(f"[train] evaluating {export_dir}: {settings.num_images} images at batch {settings.batch_size}")
+    print(f"[train] evaluating {export_dir}: {settings.num_images} images at batch {settings.batch_size}, "
+          f"{eval_cfg.decode.seeds} seed(s) per method, against the KV-cached baseline")
     return run_decode(eval_cfg)

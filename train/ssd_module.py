@@ -33,12 +33,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from backbones.base import ARImageBackbone, Condition
-from data.corpus import (
-    batch_condition,
-    group_by_prompt_length,
-    grouped_teacher_forced_hidden,
-)
+from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
+from data.corpus import batch_condition, grouped_teacher_forced_hidden
 from heads.export import export_heads
 from heads.ssd import SSDHeadConfig, SSDHeads
 from train.schedules import warmup_cosine

@@ -26,9 +26,11 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     tmp = Path(tmp_name)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; published files get the usual permissions
     try:
         yield tmp
+        # mkstemp makes 0600, and some writers (safetensors) replace the file they are given: the usual
+        # permissions are set on what was written, so colleagues on a shared machine can read it.
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)

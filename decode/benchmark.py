@@ -1,0 +1,132 @@
+"""The benchmark: every method on the same batches, interleaved, so that machine load falls on all alike.
+
+Timing each method in a block of its own lets a change of load between blocks
+move every ratio (the same commit measured one method at 1.5x on a quiet machine
+and at 9.7x when another process ran during the baseline's block). Here the
+methods take turns batch by batch (AR, method 1, method 2, AR, ..., the order
+rotating from batch to batch), each with its own random generator, so a method
+produces exactly the tokens it would produce alone. Per method the benchmark
+keeps every batch's seconds: the report gives the mean and, beside it, the
+spread across batches of its seconds per image and of its paired speedup (the
+baseline's seconds on the same batch over the method's).
+
+Several seeds (``seeds``) repeat the whole comparison with seed, seed + 1, ...:
+the seed-to-seed band of every method's quality, from one run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from backbones.base import ARImageBackbone, Condition
+from decode.backbone_clock import clock_backbone_passes
+from decode.conditions import Conditions
+from decode.registry import Method
+from decode.sampling import SamplingConfig
+
+
+@dataclass
+class SeedRun:
+    """One method at one seed: its generator and what it has produced and measured so far."""
+
+    seed: int
+    generator: torch.Generator
+    tokens: torch.Tensor  # (N, rows, cols), in the order of the conditions
+    passes: int = 0  # backbone passes of all its batches (one pass serves a whole batch)
+    drafted: int = 0
+    accepted: int = 0
+    batch_seconds: list[float] = field(default_factory=list)
+    batch_backbone_seconds: list[float] = field(default_factory=list)
+    batch_images: list[int] = field(default_factory=list)
+
+
+def run_interleaved(methods: list[Method], backbone: ARImageBackbone, conditions: Conditions, batch_size: int,
+                    sampling: SamplingConfig, seeds: list[int]) -> dict[str, list[SeedRun]]:
+    """Generate every image with every method at every seed, taking turns batch by batch; {name: [SeedRun per seed]}."""
+    device = next(backbone.parameters()).device
+    batches = conditions.batches(batch_size, backbone)
+    geometry = backbone.geometry
+    # One untimed one-image batch per method: first calls pay for allocations and lazy initialisation.
+    warm_up = _to(conditions.subset(batches[0][0][:1]), device)
+    for method in methods:
+        method.generate(backbone, warm_up, sampling, torch.Generator(device=device).manual_seed(seeds[0]))
+    runs = {method.name: [SeedRun(seed, torch.Generator(device=device).manual_seed(seed),
+                                  torch.zeros(len(conditions), geometry.rows, geometry.cols, dtype=torch.long))
+                          for seed in seeds] for method in methods}
+    turns = [(k, b) for k in range(len(seeds)) for b in range(len(batches))]
+    for turn, (k, b) in enumerate(tqdm(turns, desc=f"decode {len(methods)} methods", unit="batch", leave=False,
+                                       disable=None)):
+        indices, condition = batches[b]
+        condition = _to(condition, device)
+        for method in methods[turn % len(methods):] + methods[: turn % len(methods)]:  # rotating order
+            _timed_batch(method, runs[method.name][k], backbone, indices, condition, sampling, device)
+    return runs
+
+
+def _timed_batch(method: Method, run: SeedRun, backbone: ARImageBackbone, indices: torch.Tensor, condition: Condition,
+                 sampling: SamplingConfig, device: torch.device) -> None:
+    with clock_backbone_passes(backbone) as backbone_clock:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        result = method.generate(backbone, condition, sampling, run.generator)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+    run.tokens[indices] = result.tokens.cpu()
+    run.passes += result.forward_passes
+    run.drafted += result.drafted_tokens
+    run.accepted += result.accepted_tokens
+    run.batch_seconds.append(seconds)
+    run.batch_backbone_seconds.append(backbone_clock.seconds)
+    run.batch_images.append(len(indices))
+
+
+def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) -> dict:
+    """A method's cost over all its seeds, against the baseline's runs on the same batches.
+
+    The keys metrics.json has always had (passes, seconds, speedups) keep their
+    meaning: means over every image. The spreads are the 10th, 50th and 90th
+    percentiles across batches.
+    """
+    batches = sum(len(run.batch_seconds) for run in runs)
+    images = sum(sum(run.batch_images) for run in runs)
+    seconds = sum(sum(run.batch_seconds) for run in runs)
+    backbone_seconds = sum(sum(run.batch_backbone_seconds) for run in runs)
+    passes_per_image = sum(run.passes for run in runs) / batches  # NFE: one pass serves every image of its batch
+    figures = {
+        "forward_passes_per_image": passes_per_image,
+        "seconds_per_image": seconds / images,
+        "seconds_total": seconds,
+        # Inside the backbone's passes (decode/backbone_clock.py); the rest is drafting and verification.
+        "backbone_seconds_per_image": backbone_seconds / images,
+        "seconds_per_image_spread": _percentiles([s / n for run in runs
+                                                  for s, n in zip(run.batch_seconds, run.batch_images)]),
+        "speedup_vs_ar_spread": _percentiles([a / s for run, base in zip(runs, baseline)
+                                              for a, s in zip(base.batch_seconds, run.batch_seconds)]),
+    }
+    drafted = sum(run.drafted for run in runs)
+    if drafted:
+        figures["mean_accepted_per_pass"] = num_tokens / passes_per_image
+        figures["draft_acceptance_rate"] = sum(run.accepted for run in runs) / drafted
+    baseline_seconds = sum(sum(run.batch_seconds) for run in baseline) / sum(sum(run.batch_images) for run in baseline)
+    baseline_passes = sum(run.passes for run in baseline) / sum(len(run.batch_seconds) for run in baseline)
+    figures["speedup_vs_ar"] = baseline_seconds / figures["seconds_per_image"]
+    figures["nfe_reduction_vs_ar"] = baseline_passes / passes_per_image
+    # The speedup this method's passes alone allow: what it would reach if drafting and verification were free.
+    figures["speedup_bound_vs_ar"] = baseline_seconds / figures["backbone_seconds_per_image"]
+    return figures
+
+
+def _percentiles(values: list[float]) -> dict:
+    p10, p50, p90 = np.percentile(np.asarray(values, dtype=np.float64), [10, 50, 90])
+    return {"p10": float(p10), "p50": float(p50), "p90": float(p90)}
+
+
+def _to(condition: Condition, device: torch.device) -> Condition:
+    return Condition(class_ids=condition.class_ids.to(device)) if condition.class_ids is not None else condition

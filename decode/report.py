@@ -1,0 +1,50 @@
+"""The comparison a decode run prints and saves: one row per method, beside the baseline's quality band."""
+
+from __future__ import annotations
+
+QUALITY_NAMES = {"classifier_accuracy": "accuracy", "frechet_distance": "Fréchet", "fid": "FID", "clip_score": "CLIP"}
+
+
+def mean_quality(per_seed: list[dict | None]) -> dict | None:
+    """The mean of every quality metric over a method's seeds (None when quality was not measured)."""
+    if not per_seed or per_seed[0] is None:
+        return None
+    return {metric: sum(seed[metric] for seed in per_seed) / len(per_seed) for metric in per_seed[0]}
+
+
+def band_of(figures: dict) -> dict | None:
+    """{metric: [lowest, highest]} over a method's seeds: the seed-to-seed band of its quality."""
+    per_seed = figures.get("quality_per_seed") or ([figures["quality"]] if figures.get("quality") else [])
+    if not per_seed:
+        return None
+    return {metric: [min(s[metric] for s in per_seed), max(s[metric] for s in per_seed)] for metric in per_seed[0]}
+
+
+def summary_table(report: dict) -> str:
+    """A markdown table of every method's passes, tokens per pass, time, speedup and quality, and the band line."""
+    methods = report["methods"]
+    metrics = [m for m in QUALITY_NAMES if all(m in (f.get("quality") or {}) for f in methods.values())]
+    seeds = report.get("seeds", [report.get("seed")])
+    header = ["method", "lossless", "passes/image", "tokens/pass", "s/image (batches p10-p90)",
+              "speedup (batches p10-p90)"] + [QUALITY_NAMES[m] for m in metrics]
+    lines = [f"batch {report['batch_size']}, {report['num_images']} images x {len(seeds)} seed(s) {seeds}, "
+             f"CFG {report['sampling']['cfg_scale']}, {report['device']}, methods interleaved batch by batch",
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, f in methods.items():
+        time_spread, speed_spread = f["seconds_per_image_spread"], f["speedup_vs_ar_spread"]
+        tokens_per_pass = report["backbone"]["geometry"]["rows"] * report["backbone"]["geometry"]["cols"] / \
+            f["forward_passes_per_image"]
+        cells = [name, "yes" if f.get("lossless") else "no", f"{f['forward_passes_per_image']:.1f}",
+                 f"{tokens_per_pass:.1f}",
+                 f"{f['seconds_per_image']:.3f} ({time_spread['p10']:.3f}-{time_spread['p90']:.3f})",
+                 f"{f['speedup_vs_ar']:.2f}x ({speed_spread['p10']:.2f}-{speed_spread['p90']:.2f})"]
+        band = band_of(f) or {}
+        for metric in metrics:
+            low, high = band[metric]
+            cells.append(f"{f['quality'][metric]:.3f}" + (f" ({low:.3f}-{high:.3f})" if len(seeds) > 1 else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    baseline = report.get("baseline_band")
+    if baseline and metrics:
+        described = ", ".join(f"{QUALITY_NAMES[m]} {baseline[m][0]:.3f}-{baseline[m][1]:.3f}" for m in metrics)
+        lines += ["", f"baseline band (ar over seeds {seeds}): {described}"]
+    return "\n".join(lines)
