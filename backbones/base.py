@@ -106,8 +106,9 @@ class DecodeState:
         return 2 * self.batch_size if self.guided else self.batch_size
 
 
-def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
-                           max_batch: int | None = None) -> list[tuple[torch.Tensor, Condition]]:
+def group_by_prompt_length(
+    backbone: ARImageBackbone, condition: Condition, max_batch: int | None = None
+) -> list[tuple[torch.Tensor, Condition]]:
     """Split a condition into batches the adapters accept: ``[(indices, condition of those rows)]``.
 
     Text-to-image adapters feed a batch's prompts without padding, so prompts of
@@ -124,17 +125,23 @@ def group_by_prompt_length(backbone: ARImageBackbone, condition: Condition,
     else:
         tokenize = getattr(backbone, "prompt_token_ids", None)
         if tokenize is None:
-            raise ValueError(f"{backbone.name} takes no prompts; it is class-conditional: give class ids "
-                             "(data.spec.conditions=class_ids for a corpus)")
+            raise ValueError(
+                f"{backbone.name} takes no prompts; it is class-conditional: give class ids "
+                "(data.spec.conditions=class_ids for a corpus)"
+            )
         by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(condition.prompts):
             by_length.setdefault(tokenize(Condition(prompts=[prompt])).shape[1], []).append(i)
-        groups = [(torch.tensor(rows), Condition(prompts=[condition.prompts[i] for i in rows]))
-                  for rows in by_length.values()]
+        groups = [
+            (torch.tensor(rows), Condition(prompts=[condition.prompts[i] for i in rows])) for rows in by_length.values()
+        ]
     if max_batch is None:
         return groups
-    return [(indices[start : start + max_batch], select_rows(group, slice(start, start + max_batch)))
-            for indices, group in groups for start in range(0, len(indices), max_batch)]
+    return [
+        (indices[start : start + max_batch], select_rows(group, slice(start, start + max_batch)))
+        for indices, group in groups
+        for start in range(0, len(indices), max_batch)
+    ]
 
 
 def select_rows(condition: Condition, rows: slice) -> Condition:
@@ -155,8 +162,9 @@ def mean_prompt_embedding(embedding: nn.Module, token_ids: torch.Tensor, pad_tok
         return (embeds * keep).sum(1) / keep.sum(1).clamp(min=1)
 
 
-def pooled_prompt_embedding(backbone: "ARImageBackbone", embedding: nn.Module, condition: Condition,
-                            pad_token_id: int | None) -> torch.Tensor:
+def pooled_prompt_embedding(
+    backbone: ARImageBackbone, embedding: nn.Module, condition: Condition, pad_token_id: int | None
+) -> torch.Tensor:
     """`condition_embedding` for text-to-image adapters with a `prompt_token_ids` method: (B, D) fp32.
 
     Prompts are tokenized one at a time, so a batch of prompts of different token
@@ -222,8 +230,10 @@ class ARImageBackbone(nn.Module, ABC):
         mean-pooled (`mean_prompt_embedding`); class-conditional families need none
         (the drafter embeds class ids itself).
         """
-        raise NotImplementedError(f"{type(self).__name__} has no prompt embedding for a MuLo-SD drafter; "
-                                  "condition the drafter on class ids, or implement condition_embedding")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no prompt embedding for a MuLo-SD drafter; "
+            "condition the drafter on class ids, or implement condition_embedding"
+        )
 
     # ---- shared mechanics ------------------------------------------------------------------
 
@@ -289,7 +299,7 @@ class ARImageBackbone(nn.Module, ABC):
         return self.guide(logits, cfg_scale) if state.guided else logits.float()
 
     def draft_scorer(self, state: DecodeState, cfg_scale: float):
-        """A function for drafting loops: hidden states of cache rows (rows, ..., hidden) -> scores (rows / twins, ..., V).
+        """For drafting loops: hidden states of cache rows (rows, ..., hidden) -> scores (rows / twins, ..., V).
 
         The same scores as `scores` up to float rounding. Drafters call it once per
         drafted token, where each kernel's launch costs as much as its work, so a

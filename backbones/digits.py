@@ -201,13 +201,14 @@ class DigitsBackbone(ARImageBackbone):
         """Write config.json + model.safetensors into `directory`, each atomically."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        atomic_save_safetensors({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
-                                directory / WEIGHTS_FILE)
+        atomic_save_safetensors(
+            {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, directory / WEIGHTS_FILE
+        )
         atomic_write_text(directory / CONFIG_FILE, json.dumps(asdict(self.config), indent=2) + "\n")
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "DigitsBackbone":
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> DigitsBackbone:
         """Load a saved digits backbone, frozen and in eval mode."""
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE

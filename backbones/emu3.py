@@ -63,7 +63,13 @@ from backbones.hf_loading import (
 
 MODEL_ID = "BAAI/Emu3-Gen-hf"
 
-BOI, IMAGE_WRAPPER, EOI, EOL, EOF = "<|image start|>", "<|image token|>", "<|image end|>", "<|extra_200|>", "<|extra_201|>"
+BOI, IMAGE_WRAPPER, EOI, EOL, EOF = (
+    "<|image start|>",
+    "<|image token|>",
+    "<|image end|>",
+    "<|extra_200|>",
+    "<|extra_201|>",
+)
 
 # Emu3-Gen's default generation size: image_area 518400 (720 x 720) at 8 pixels per token.
 DEFAULT_GRID = 90
@@ -74,8 +80,15 @@ class Emu3Backbone(ARImageBackbone):
 
     cfg_space = "logprobs"
 
-    def __init__(self, model: Emu3ForConditionalGeneration, rows: int = DEFAULT_GRID, cols: int = DEFAULT_GRID,
-                 name: str = MODEL_ID, processor=None, negative_token_ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: Emu3ForConditionalGeneration,
+        rows: int = DEFAULT_GRID,
+        cols: int = DEFAULT_GRID,
+        name: str = MODEL_ID,
+        processor=None,
+        negative_token_ids: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.model = model
         self.name = name
@@ -101,8 +114,9 @@ class Emu3Backbone(ARImageBackbone):
         self.pad_token_id = config.text_config.pad_token_id
         img2bpe = model.vocabulary_mapping.img2bpe
         if sorted(img2bpe) != list(range(self.codebook_size)):
-            raise ValueError(f"{name}: the vocabulary has {len(img2bpe)} visual tokens, "
-                             f"not codebook ids 0..{self.codebook_size - 1}")
+            raise ValueError(
+                f"{name}: the vocabulary has {len(img2bpe)} visual tokens, not codebook ids 0..{self.codebook_size - 1}"
+            )
         # codebook id -> vocabulary id; one extra last entry for the EOL marker -1.
         mapping = torch.tensor([img2bpe[i] for i in range(self.codebook_size)] + [self.eol_token_id])
         self.register_buffer("_codebook_to_vocab", mapping, persistent=False)
@@ -126,18 +140,24 @@ class Emu3Backbone(ARImageBackbone):
                 )
             tokenizer = getattr(self.processor, "tokenizer", self.processor)
             header = f"{BOI}{self.geometry.rows}*{self.geometry.cols}{IMAGE_WRAPPER}"
-            rows = [tokenizer(f"{tokenizer.bos_token}{p}{header}", add_special_tokens=False)["input_ids"]
-                    for p in condition.prompts]
+            rows = [
+                tokenizer(f"{tokenizer.bos_token}{p}{header}", add_special_tokens=False)["input_ids"]
+                for p in condition.prompts
+            ]
             if len({len(r) for r in rows}) != 1:
-                raise ValueError("prompts of one batch must tokenize to the same length (padding is not "
-                                 "implemented); decode them in separate batches (backbones.base.group_by_prompt_length "
-                                 "does that)")
+                raise ValueError(
+                    "prompts of one batch must tokenize to the same length (padding is not "
+                    "implemented); decode them in separate batches (backbones.base.group_by_prompt_length "
+                    "does that)"
+                )
             ids = torch.tensor(rows, dtype=torch.long)
         else:
             raise ValueError("Emu3 is text-conditional: give Condition(prompts=...) or Condition(token_ids=...)")
         if ids.shape[1] < 1 or not bool((ids[:, -1] == self.image_wrapper_token_id).all()):
-            raise ValueError("Emu3 prompt token_ids must end with <|image start|>{H}*{W}<|image token|> "
-                             f"(last id {self.image_wrapper_token_id})")
+            raise ValueError(
+                "Emu3 prompt token_ids must end with <|image start|>{H}*{W}<|image token|> "
+                f"(last id {self.image_wrapper_token_id})"
+            )
         return ids
 
     def unconditional_token_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -147,8 +167,10 @@ class Emu3Backbone(ARImageBackbone):
             if negative.dim() == 1:
                 negative = negative[None]
             if negative.shape[1] != token_ids.shape[1]:
-                raise ValueError(f"negative_token_ids has length {negative.shape[1]}, the prompt {token_ids.shape[1]}; "
-                                 "the unconditional twin must have the prompt's length")
+                raise ValueError(
+                    f"negative_token_ids has length {negative.shape[1]}, the prompt {token_ids.shape[1]}; "
+                    "the unconditional twin must have the prompt's length"
+                )
             return negative.expand(token_ids.shape[0], -1).clone()
         length = token_ids.shape[1]
         positions = torch.arange(length, device=token_ids.device).expand_as(token_ids)
@@ -205,13 +227,24 @@ class Emu3Backbone(ARImageBackbone):
         return ((pixels.float() + 1) / 2).clamp(0, 1)  # the VQ decoder works in [-1, 1]
 
 
-def load_emu3_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16", trust_remote_code: bool = False,
-                       rows: int = DEFAULT_GRID, cols: int = DEFAULT_GRID) -> Emu3Backbone:
+def load_emu3_backbone(
+    path: str,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    trust_remote_code: bool = False,
+    rows: int = DEFAULT_GRID,
+    cols: int = DEFAULT_GRID,
+) -> Emu3Backbone:
     """Hydra entry point: frozen Emu3-Gen from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
     model = load_pretrained(Emu3ForConditionalGeneration, directory, dtype, trust_remote_code)
-    backbone = Emu3Backbone(model, rows=rows, cols=cols, name=display_name(directory, MODEL_ID),
-                            processor=load_processor(directory, trust_remote_code))
+    backbone = Emu3Backbone(
+        model,
+        rows=rows,
+        cols=cols,
+        name=display_name(directory, MODEL_ID),
+        processor=load_processor(directory, trust_remote_code),
+    )
     return backbone.to(device).eval().requires_grad_(False)
 
 
@@ -232,8 +265,13 @@ def tiny_vocabulary_map(codebook_size: int = TINY_CODEBOOK, seed: int = 0) -> di
     return vocab
 
 
-def tiny_emu3_config(hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 64,
-                     codebook_size: int = TINY_CODEBOOK) -> Emu3Config:
+def tiny_emu3_config(
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 64,
+    codebook_size: int = TINY_CODEBOOK,
+) -> Emu3Config:
     vocabulary_map = tiny_vocabulary_map(codebook_size)
     text_config = Emu3TextConfig(
         vocab_size=_TINY_FIRST_VISUAL + codebook_size + 8,
@@ -282,18 +320,31 @@ def tiny_emu3_tokenizer(vocabulary_map: dict[str, int] | None = None, vocab_size
     taken = set(vocabulary_map.values())
     vocab_size = vocab_size or max(taken) + 1
     free = [i for i in range(vocab_size) if i not in taken]
-    return tiny_word_tokenizer(fixed, special=list(_TINY_SPECIAL), free_ids=free, bos_token="<|extra_203|>",
-                               eos_token="<|extra_204|>", pad_token="<|endoftext|>")
+    return tiny_word_tokenizer(
+        fixed,
+        special=list(_TINY_SPECIAL),
+        free_ids=free,
+        bos_token="<|extra_203|>",
+        eos_token="<|extra_204|>",
+        pad_token="<|endoftext|>",
+    )
 
 
-def random_emu3_backbone(seed: int = 0, device: str = "cpu", rows: int = TINY_ROWS, cols: int = TINY_COLS,
-                         tokenizer: bool = False, **config_overrides) -> Emu3Backbone:
+def random_emu3_backbone(
+    seed: int = 0,
+    device: str = "cpu",
+    rows: int = TINY_ROWS,
+    cols: int = TINY_COLS,
+    tokenizer: bool = False,
+    **config_overrides,
+) -> Emu3Backbone:
     """Hydra entry point: a tiny random-weight Emu3 backbone (3x4 grid, 32 codes; nothing to download).
 
     `tokenizer=True` attaches `tiny_emu3_tokenizer`, so ``Condition(prompts=...)`` works.
     """
     model = random_emu3_model(seed, **config_overrides)
-    processor = (tiny_emu3_tokenizer(model.config.vocabulary_map, model.config.text_config.vocab_size)
-                 if tokenizer else None)
+    processor = (
+        tiny_emu3_tokenizer(model.config.vocabulary_map, model.config.text_config.vocab_size) if tokenizer else None
+    )
     backbone = Emu3Backbone(model, rows=rows, cols=cols, name="emu3-tiny-random", processor=processor)
     return backbone.to(device).eval().requires_grad_(False)

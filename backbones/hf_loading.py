@@ -12,8 +12,10 @@ def require_weights(path: str | Path, model_id: str, how_to_get: str | None = No
     directory = Path(path)
     if not (directory / "config.json").is_file():
         how_to_get = how_to_get or (f"get them with `huggingface-cli download {model_id} --local-dir {directory}`")
-        raise FileNotFoundError(f"no weights of {model_id} at {directory} (expected config.json and safetensors "
-                                f"in transformers format); {how_to_get}")
+        raise FileNotFoundError(
+            f"no weights of {model_id} at {directory} (expected config.json and safetensors "
+            f"in transformers format); {how_to_get}"
+        )
     return directory
 
 

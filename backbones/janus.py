@@ -76,17 +76,21 @@ class JanusBackbone(ARImageBackbone):
         self.geometry = ImageGeometry(rows=side, cols=side)
         expected = config.vision_config.num_image_tokens
         if expected != self.geometry.num_tokens:
-            raise ValueError(
-                f"{name}: vision_config.num_image_tokens={expected} but the VQ grid is {side}x{side}"
-            )
+            raise ValueError(f"{name}: vision_config.num_image_tokens={expected} but the VQ grid is {side}x{side}")
         self.codebook_size = config.vq_config.num_embeddings
         self.hidden_size = config.text_config.hidden_size
 
         generation = model.generation_config
         boi = (generation.generation_kwargs or {}).get("boi_token_id")
-        missing = [k for k, v in (("bos_token_id", generation.bos_token_id),
-                                  ("pad_token_id", generation.pad_token_id),
-                                  ("generation_kwargs.boi_token_id", boi)) if v is None]
+        missing = [
+            k
+            for k, v in (
+                ("bos_token_id", generation.bos_token_id),
+                ("pad_token_id", generation.pad_token_id),
+                ("generation_kwargs.boi_token_id", boi),
+            )
+            if v is None
+        ]
         if missing:
             raise ValueError(f"{name}: generation_config lacks {missing}, needed for prompts and CFG")
         self.bos_token_id = int(_first(generation.bos_token_id))
@@ -171,7 +175,7 @@ class JanusBackbone(ARImageBackbone):
 
     def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
         vq = self.model.model.vqmodel
-        pixels = (images.to(self._device(), dtype=vq.quant_conv.weight.dtype) * 2 - 1)
+        pixels = images.to(self._device(), dtype=vq.quant_conv.weight.dtype) * 2 - 1
         tokens = vq.encode(pixels).image_tokens
         batch = images.shape[0]
         if tokens.numel() != batch * self.geometry.num_tokens:
@@ -190,13 +194,15 @@ def _first(value):
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-def load_janus_backbone(path: str, device: str = "cpu", dtype: str = "bfloat16",
-                        trust_remote_code: bool = False) -> JanusBackbone:
+def load_janus_backbone(
+    path: str, device: str = "cpu", dtype: str = "bfloat16", trust_remote_code: bool = False
+) -> JanusBackbone:
     """Hydra entry point: frozen Janus-Pro from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
     model = load_pretrained(JanusForConditionalGeneration, directory, dtype, trust_remote_code)
-    backbone = JanusBackbone(model, name=display_name(directory, MODEL_ID),
-                             processor=load_processor(directory, trust_remote_code))
+    backbone = JanusBackbone(
+        model, name=display_name(directory, MODEL_ID), processor=load_processor(directory, trust_remote_code)
+    )
     return backbone.to(device).eval().requires_grad_(False)
 
 
@@ -245,8 +251,9 @@ def tiny_janus_config(
         image_token_embed_dim=hidden_size,
         num_hidden_layers=2,
     )
-    return JanusConfig(text_config=text_config, vision_config=vision_config, vq_config=vq_config,
-                       image_token_id=_TINY_IMAGE)
+    return JanusConfig(
+        text_config=text_config, vision_config=vision_config, vq_config=vq_config, image_token_id=_TINY_IMAGE
+    )
 
 
 def random_janus_model(seed: int = 0, **config_overrides) -> JanusForConditionalGeneration:
@@ -281,21 +288,41 @@ def tiny_janus_processor(vocab_size: int = 64, grid_size: int = 4):
 
     from backbones.tiny_tokenizer import tiny_word_tokenizer
 
-    fixed = {"<pad>": _TINY_PAD, "<bos>": _TINY_BOS, "<begin_of_image>": _TINY_BOI, "<image_placeholder>": _TINY_IMAGE,
-             "<end_of_image>": 4, "<|User|>": 5, "<|Assistant|>": 6}
+    fixed = {
+        "<pad>": _TINY_PAD,
+        "<bos>": _TINY_BOS,
+        "<begin_of_image>": _TINY_BOI,
+        "<image_placeholder>": _TINY_IMAGE,
+        "<end_of_image>": 4,
+        "<|User|>": 5,
+        "<|Assistant|>": 6,
+    }
     tokenizer = tiny_word_tokenizer(
-        fixed, special=list(fixed), free_ids=list(range(7, vocab_size)), bos_token="<bos>", pad_token="<pad>",
+        fixed,
+        special=list(fixed),
+        free_ids=list(range(7, vocab_size)),
+        bos_token="<bos>",
+        pad_token="<pad>",
         add_bos=True,
-        extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
-                              "eoi_token": "<end_of_image>"})
+        extra_special_tokens={
+            "image_token": "<image_placeholder>",
+            "boi_token": "<begin_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+    )
     # The PIL image processor: the default one wants torchvision, and prompts need no image processing.
     image_processor_class = getattr(transformers, "JanusImageProcessorPil", None) or transformers.JanusImageProcessor
-    return JanusProcessor(image_processor=image_processor_class(), tokenizer=tokenizer,
-                          chat_template=TINY_CHAT_TEMPLATE, num_image_tokens=grid_size * grid_size)
+    return JanusProcessor(
+        image_processor=image_processor_class(),
+        tokenizer=tokenizer,
+        chat_template=TINY_CHAT_TEMPLATE,
+        num_image_tokens=grid_size * grid_size,
+    )
 
 
-def random_janus_backbone(seed: int = 0, device: str = "cpu", tokenizer: bool = False,
-                          **config_overrides) -> JanusBackbone:
+def random_janus_backbone(
+    seed: int = 0, device: str = "cpu", tokenizer: bool = False, **config_overrides
+) -> JanusBackbone:
     """Hydra entry point: a tiny random-weight Janus backbone (for tests; nothing to download).
 
     `tokenizer=True` attaches `tiny_janus_processor`, so ``Condition(prompts=...)`` works.

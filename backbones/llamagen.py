@@ -105,7 +105,15 @@ GPT_SIZES = {
     "GPT-XXXL": {"n_layer": 48, "n_head": 40, "dim": 2560},  # 3.9B, no released c2i checkpoint
     "GPT-3B": {"n_layer": 24, "n_head": 32, "dim": 3200},  # 3.1B, "LlamaGen-3B" (c2i_3B_384.pt)
     # Test-sized: 4x4 grid, 64-entry codebook, 10 classes.
-    "tiny": {"n_layer": 2, "n_head": 2, "dim": 32, "multiple_of": 16, "num_classes": 10, "vocab_size": 64, "grid_size": 4},
+    "tiny": {
+        "n_layer": 2,
+        "n_head": 2,
+        "dim": 32,
+        "multiple_of": 16,
+        "num_classes": 10,
+        "vocab_size": 64,
+        "grid_size": 4,
+    },
 }
 
 # Released c2i files (huggingface FoundationVision/LlamaGen): c2i_B_256, c2i_B_384, c2i_L_256, c2i_L_384,
@@ -335,8 +343,10 @@ class LlamaGenBackbone(ARImageBackbone):
                 )
             self._codebook = read_vq_codebook(self.vq_path)
             if self._codebook.shape[0] != self.codebook_size:
-                raise ValueError(f"{self.vq_path}: codebook has {self._codebook.shape[0]} entries, "
-                                 f"the GPT expects {self.codebook_size}")
+                raise ValueError(
+                    f"{self.vq_path}: codebook has {self._codebook.shape[0]} entries, "
+                    f"the GPT expects {self.codebook_size}"
+                )
         return self._codebook.to(self._device())
 
     def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -410,8 +420,14 @@ class VQ16Decoder(nn.Module):
     (+1 on the way up), attention at the lowest resolution, GroupNorm(32).
     """
 
-    def __init__(self, embed_dim: int = 8, z_channels: int = 256, ch: int = 128,
-                 ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4), num_res_blocks: int = 2):
+    def __init__(
+        self,
+        embed_dim: int = 8,
+        z_channels: int = 256,
+        ch: int = 128,
+        ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4),
+        num_res_blocks: int = 2,
+    ):
         super().__init__()
         self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
         self.decoder = nn.Module()
@@ -455,8 +471,10 @@ def load_vq16_decoder(path: str | Path, **architecture) -> VQ16Decoder:
     """The decoder half of a LlamaGen VQ checkpoint (encoder, quant_conv and quantizer buffers are skipped)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no LlamaGen VQ checkpoint at {path}: get {VQ_FILE} with\n"
-                                f"  huggingface-cli download FoundationVision/LlamaGen {VQ_FILE} --local-dir <dir>")
+        raise FileNotFoundError(
+            f"no LlamaGen VQ checkpoint at {path}: get {VQ_FILE} with\n"
+            f"  huggingface-cli download FoundationVision/LlamaGen {VQ_FILE} --local-dir <dir>"
+        )
     state = _unwrap(_load_checkpoint(path))
     decoder = VQ16Decoder(**architecture)
     wanted = set(decoder.state_dict())
@@ -468,8 +486,10 @@ def read_vq_codebook(path: str | Path) -> torch.Tensor:
     """The (16384, 8) codebook of a LlamaGen VQ checkpoint, L2-normalised as its quantizer uses it."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no LlamaGen VQ checkpoint at {path}: get {VQ_FILE} with\n"
-                                f"  huggingface-cli download FoundationVision/LlamaGen {VQ_FILE} --local-dir <dir>")
+        raise FileNotFoundError(
+            f"no LlamaGen VQ checkpoint at {path}: get {VQ_FILE} with\n"
+            f"  huggingface-cli download FoundationVision/LlamaGen {VQ_FILE} --local-dir <dir>"
+        )
     state = _unwrap(_load_checkpoint(path))
     key = "quantize.embedding.weight"
     if key not in state:
@@ -482,8 +502,10 @@ def _load_checkpoint(path: Path, trust_pickle: bool = False) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # an UnpicklingError for files that pickle more than tensors
         if not trust_pickle:
-            raise RuntimeError(f"{path} holds more than tensors and cannot be read with weights_only=True; "
-                               "if you trust the file, pass trust_pickle=true") from error
+            raise RuntimeError(
+                f"{path} holds more than tensors and cannot be read with weights_only=True; "
+                "if you trust the file, pass trust_pickle=true"
+            ) from error
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -510,9 +532,15 @@ def llamagen_config(model: str = "GPT-XL", image_size: int = 384, **overrides) -
     return LlamaGenConfig(**sizes)
 
 
-def load_llamagen_backbone(path: str | Path, model: str = "GPT-XL", image_size: int = 384,
-                           vq_path: str | Path | None = None, device: str = "cuda",
-                           dtype: str = "bfloat16", trust_pickle: bool = False) -> LlamaGenBackbone:
+def load_llamagen_backbone(
+    path: str | Path,
+    model: str = "GPT-XL",
+    image_size: int = 384,
+    vq_path: str | Path | None = None,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    trust_pickle: bool = False,
+) -> LlamaGenBackbone:
     """Hydra entry point: a frozen LlamaGen c2i GPT from an official checkpoint file (e.g. c2i_XL_384.pt).
 
     `path` is the .pt file or the directory holding it. The file is read with
@@ -537,8 +565,9 @@ def load_llamagen_backbone(path: str | Path, model: str = "GPT-XL", image_size: 
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
-def random_llamagen_backbone(seed: int = 0, device: str = "cpu", model: str = "tiny", image_size: int = 64,
-                             **overrides) -> LlamaGenBackbone:
+def random_llamagen_backbone(
+    seed: int = 0, device: str = "cpu", model: str = "tiny", image_size: int = 64, **overrides
+) -> LlamaGenBackbone:
     """Hydra entry point: a LlamaGen backbone with seeded random weights (tiny by default; for tests)."""
     torch.manual_seed(seed)
     backbone = LlamaGenBackbone(llamagen_config(model, image_size, **overrides))

@@ -169,15 +169,21 @@ class LuminaBackbone(ARImageBackbone):
         if condition.token_ids is not None:
             return condition.token_ids.long()
         if condition.prompts is None:
-            raise ValueError("Lumina-mGPT is text-conditional: give Condition(prompts=...) or Condition(token_ids=...) "
-                             "with the full prompt prefix ending with the image-start and the two size tokens")
+            raise ValueError(
+                "Lumina-mGPT is text-conditional: give Condition(prompts=...) or Condition(token_ids=...) "
+                "with the full prompt prefix ending with the image-start and the two size tokens"
+            )
         if self.processor is None:
-            raise ValueError(f"{self.name} was built without a processor (tokenizer); give Condition(token_ids=...) "
-                             "or load the backbone with load_lumina_backbone(path) from a weights directory that "
-                             "holds the tokenizer files")
+            raise ValueError(
+                f"{self.name} was built without a processor (tokenizer); give Condition(token_ids=...) "
+                "or load the backbone with load_lumina_backbone(path) from a weights directory that "
+                "holds the tokenizer files"
+            )
         if self.size_token_ids is None:
-            raise ValueError(f"{self.name}: a {self.geometry.rows}x{self.geometry.cols} grid has no Lumina-mGPT size "
-                             "tokens (they count pairs of cells); pass size_token_ids=(h_id, w_id)")
+            raise ValueError(
+                f"{self.name}: a {self.geometry.rows}x{self.geometry.cols} grid has no Lumina-mGPT size "
+                "tokens (they count pairs of cells); pass size_token_ids=(h_id, w_id)"
+            )
         tokenizer = getattr(self.processor, "tokenizer", self.processor)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         sep = getattr(tokenizer, "sep_token", None) or LUMINA_SEP
@@ -189,8 +195,10 @@ class LuminaBackbone(ARImageBackbone):
             text = LUMINA_T2I_INSTRUCTION.format(width=width, height=height, prompt=prompt) + sep
             rows.append([bos, *tokenizer(text, add_special_tokens=False)["input_ids"], *header])
         if len({len(r) for r in rows}) != 1:
-            raise ValueError("prompts of one batch must tokenize to the same length (padding is not implemented); "
-                             "decode them in separate batches (backbones.base.group_by_prompt_length does that)")
+            raise ValueError(
+                "prompts of one batch must tokenize to the same length (padding is not implemented); "
+                "decode them in separate batches (backbones.base.group_by_prompt_length does that)"
+            )
         return torch.tensor(rows, dtype=torch.long)
 
     def unconditional_token_ids(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -256,8 +264,9 @@ class LuminaBackbone(ARImageBackbone):
         if total > mask.shape[1]:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], total - mask.shape[1])], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        out = self.model.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                               cache=state.cache, use_cache=True)
+        out = self.model.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, cache=state.cache, use_cache=True
+        )
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -293,21 +302,39 @@ class LuminaBackbone(ARImageBackbone):
         return tokens.view(batch, self.geometry.rows, self.geometry.cols)
 
 
-def load_lumina_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16",
-                         eol_token_id: int = LUMINA_EOL_TOKEN_ID, rows: int = LUMINA_GRID, cols: int = LUMINA_GRID,
-                         pad_token_id: int | None = None, uncond: str = "image_header",
-                         trust_remote_code: bool = False) -> LuminaBackbone:
+def load_lumina_backbone(
+    path: str,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    eol_token_id: int = LUMINA_EOL_TOKEN_ID,
+    rows: int = LUMINA_GRID,
+    cols: int = LUMINA_GRID,
+    pad_token_id: int | None = None,
+    uncond: str = "image_header",
+    trust_remote_code: bool = False,
+) -> LuminaBackbone:
     """Hydra entry point: frozen Lumina-mGPT from a transformers-format Chameleon weights directory."""
     directory = require_weights(
-        path, MODEL_ID,
-        how_to_get=(f"a transformers-format ChameleonForConditionalGeneration checkpoint is needed: the original "
-                    f"weights (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) are in Lumina-mGPT's own "
-                    "format and must first be converted to transformers' Chameleon format"))
+        path,
+        MODEL_ID,
+        how_to_get=(
+            f"a transformers-format ChameleonForConditionalGeneration checkpoint is needed: the original "
+            f"weights (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) are in Lumina-mGPT's own "
+            "format and must first be converted to transformers' Chameleon format"
+        ),
+    )
     model = load_pretrained(ChameleonForConditionalGeneration, directory, dtype, trust_remote_code)
     name = display_name(directory, MODEL_ID)
-    backbone = LuminaBackbone(model, name=name, rows=rows, cols=cols, eol_token_id=eol_token_id,
-                              pad_token_id=pad_token_id, uncond=uncond,
-                              processor=load_processor(directory, trust_remote_code))
+    backbone = LuminaBackbone(
+        model,
+        name=name,
+        rows=rows,
+        cols=cols,
+        eol_token_id=eol_token_id,
+        pad_token_id=pad_token_id,
+        uncond=uncond,
+        processor=load_processor(directory, trust_remote_code),
+    )
     return backbone.to(device).eval().requires_grad_(False)
 
 
@@ -329,8 +356,14 @@ def tiny_lumina_config(
     ids ``32..32+V-1`` (so the codebook -> vocabulary map is not an offset)."""
     generator = torch.Generator().manual_seed(seed + 12345)
     permutation = torch.randperm(codebook_size, generator=generator).tolist()
-    vocabulary_map = {"<s>": _TINY_BOS, "<pad>": _TINY_PAD, "</s>": _TINY_EOS, "<reserved08799>": _TINY_EOL,
-                      "<racm3:break>": _TINY_IMAGE_START, "<image>": _TINY_IMAGE}
+    vocabulary_map = {
+        "<s>": _TINY_BOS,
+        "<pad>": _TINY_PAD,
+        "</s>": _TINY_EOS,
+        "<reserved08799>": _TINY_EOL,
+        "<racm3:break>": _TINY_IMAGE_START,
+        "<image>": _TINY_IMAGE,
+    }
     for k in range(codebook_size):
         vocabulary_map[_image_token_name(k)] = _TINY_TEXT_VOCAB + permutation[k]
     vq_config = ChameleonVQVAEConfig(
@@ -375,25 +408,51 @@ def tiny_lumina_tokenizer():
     ``<racm3:break>`` 4, the turn separator ``<reserved08706>`` 16 (also its ``sep_token``), words 17..31."""
     from backbones.tiny_tokenizer import tiny_word_tokenizer
 
-    fixed = {"<s>": _TINY_BOS, "<pad>": _TINY_PAD, "</s>": _TINY_EOS, "<reserved08799>": _TINY_EOL,
-             "<racm3:break>": _TINY_IMAGE_START, "<image>": _TINY_IMAGE, LUMINA_SEP: _TINY_SEP}
-    tokenizer = tiny_word_tokenizer(fixed, special=list(fixed), free_ids=list(range(_TINY_SEP + 1, _TINY_TEXT_VOCAB)),
-                                    bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fixed = {
+        "<s>": _TINY_BOS,
+        "<pad>": _TINY_PAD,
+        "</s>": _TINY_EOS,
+        "<reserved08799>": _TINY_EOL,
+        "<racm3:break>": _TINY_IMAGE_START,
+        "<image>": _TINY_IMAGE,
+        LUMINA_SEP: _TINY_SEP,
+    }
+    tokenizer = tiny_word_tokenizer(
+        fixed,
+        special=list(fixed),
+        free_ids=list(range(_TINY_SEP + 1, _TINY_TEXT_VOCAB)),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
     tokenizer.sep_token = LUMINA_SEP
     return tokenizer
 
 
-def random_lumina_backbone(seed: int = 0, device: str = "cpu", rows: int = 3, cols: int = 4,
-                           uncond: str = "image_header", tokenizer: bool = False,
-                           **config_overrides) -> LuminaBackbone:
+def random_lumina_backbone(
+    seed: int = 0,
+    device: str = "cpu",
+    rows: int = 3,
+    cols: int = 4,
+    uncond: str = "image_header",
+    tokenizer: bool = False,
+    **config_overrides,
+) -> LuminaBackbone:
     """Hydra entry point: a tiny random-weight Lumina (Chameleon) backbone, 3x4 grid with EOL; nothing to load.
 
     `tokenizer=True` attaches `tiny_lumina_tokenizer`, so ``Condition(prompts=...)`` works; the image
     header is `tiny_lumina_prompt`'s (size token ``6 + cells``).
     """
     model = random_lumina_model(seed, **config_overrides)
-    backbone = LuminaBackbone(model, name="lumina-tiny-random", rows=rows, cols=cols, eol_token_id=_TINY_EOL,
-                              uncond=uncond, processor=tiny_lumina_tokenizer() if tokenizer else None,
-                              image_start_token_id=_TINY_IMAGE_START,
-                              size_token_ids=(_TINY_SIZE_BASE + rows, _TINY_SIZE_BASE + cols))
+    backbone = LuminaBackbone(
+        model,
+        name="lumina-tiny-random",
+        rows=rows,
+        cols=cols,
+        eol_token_id=_TINY_EOL,
+        uncond=uncond,
+        processor=tiny_lumina_tokenizer() if tokenizer else None,
+        image_start_token_id=_TINY_IMAGE_START,
+        size_token_ids=(_TINY_SIZE_BASE + rows, _TINY_SIZE_BASE + cols),
+    )
     return backbone.to(device).eval().requires_grad_(False)

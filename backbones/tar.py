@@ -74,15 +74,27 @@ class TarBackbone(ARImageBackbone):
 
     cfg_space = "logits"
 
-    def __init__(self, model: Qwen2ForCausalLM, image_token_offset: int, codebook_size: int,
-                 rows: int = DEFAULT_GRID, cols: int = DEFAULT_GRID, name: str = MODEL_ID, tokenizer=None,
-                 scale: int = 0, negative_token_ids: torch.Tensor | None = None, detokenizer=None,
-                 codebook: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: Qwen2ForCausalLM,
+        image_token_offset: int,
+        codebook_size: int,
+        rows: int = DEFAULT_GRID,
+        cols: int = DEFAULT_GRID,
+        name: str = MODEL_ID,
+        tokenizer=None,
+        scale: int = 0,
+        negative_token_ids: torch.Tensor | None = None,
+        detokenizer=None,
+        codebook: torch.Tensor | None = None,
+    ):
         super().__init__()
         vocab = model.config.vocab_size
         if not (0 <= image_token_offset and image_token_offset + codebook_size <= vocab and codebook_size > 0):
-            raise ValueError(f"{name}: image tokens [{image_token_offset}, {image_token_offset + codebook_size}) "
-                             f"do not fit the vocabulary of {vocab}")
+            raise ValueError(
+                f"{name}: image tokens [{image_token_offset}, {image_token_offset + codebook_size}) "
+                f"do not fit the vocabulary of {vocab}"
+            )
         self.model = model
         self.name = name
         self.tokenizer = tokenizer
@@ -108,8 +120,10 @@ class TarBackbone(ARImageBackbone):
             ids = condition.token_ids.long()
         elif condition.prompts is not None:
             if self.tokenizer is None:
-                raise ValueError(f"{self.name} was built without a tokenizer; give Condition(token_ids=...) or load "
-                                 "the backbone with load_tar_backbone(path) from the full weights directory")
+                raise ValueError(
+                    f"{self.name} was built without a tokenizer; give Condition(token_ids=...) or load "
+                    "the backbone with load_tar_backbone(path) from the full weights directory"
+                )
             rows = []
             for prompt in condition.prompts:
                 messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
@@ -117,9 +131,11 @@ class TarBackbone(ARImageBackbone):
                 text += f"{IMAGE_START}<S{self.scale}>"
                 rows.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             if len({len(r) for r in rows}) != 1:
-                raise ValueError("prompts of one batch must tokenize to the same length (padding is not "
-                                 "implemented); decode them in separate batches (backbones.base.group_by_prompt_length "
-                                 "does that)")
+                raise ValueError(
+                    "prompts of one batch must tokenize to the same length (padding is not "
+                    "implemented); decode them in separate batches (backbones.base.group_by_prompt_length "
+                    "does that)"
+                )
             ids = torch.tensor(rows, dtype=torch.long)
         else:
             raise ValueError("Tar is text-conditional: give Condition(prompts=...) or Condition(token_ids=...)")
@@ -133,8 +149,10 @@ class TarBackbone(ARImageBackbone):
             negative = self.negative_token_ids.long().to(token_ids.device)
             negative = negative[None] if negative.dim() == 1 else negative
             if negative.shape[1] != token_ids.shape[1]:
-                raise ValueError(f"negative_token_ids has length {negative.shape[1]}, the prompt "
-                                 f"{token_ids.shape[1]}; the unconditional twin must have the prompt's length")
+                raise ValueError(
+                    f"negative_token_ids has length {negative.shape[1]}, the prompt "
+                    f"{token_ids.shape[1]}; the unconditional twin must have the prompt's length"
+                )
             return negative.expand(token_ids.shape[0], -1).clone()
         twin = torch.full_like(token_ids, self.pad_token_id)
         twin[:, -HEADER_LENGTH:] = token_ids[:, -HEADER_LENGTH:]
@@ -146,8 +164,12 @@ class TarBackbone(ARImageBackbone):
         ids = self.prompt_token_ids(condition).to(self._device())
         if guided:
             ids = torch.cat([ids, self.unconditional_token_ids(ids)], dim=0)
-        state = DecodeState(cache=DynamicCache(config=self.model.config), batch_size=condition.batch_size,
-                            guided=guided, prefix_length=ids.shape[1])
+        state = DecodeState(
+            cache=DynamicCache(config=self.model.config),
+            batch_size=condition.batch_size,
+            guided=guided,
+            prefix_length=ids.shape[1],
+        )
         hidden = self._run(state, self.model.get_input_embeddings()(ids))
         return state, hidden[:, -1:]
 
@@ -176,9 +198,10 @@ class TarBackbone(ARImageBackbone):
 
     def codebook_latents(self) -> torch.Tensor:
         if self.codebook is None:
-            raise NotImplementedError(f"{self.name}: the TA-Tok codebook is not part of the LLM checkpoint; set "
-                                      "`backbone.codebook` to the (codebook_size, dim) TA-Tok codebook. "
-                                      + _DETOKENIZER_HELP)
+            raise NotImplementedError(
+                f"{self.name}: the TA-Tok codebook is not part of the LLM checkpoint; set "
+                "`backbone.codebook` to the (codebook_size, dim) TA-Tok codebook. " + _DETOKENIZER_HELP
+            )
         return self.codebook
 
     def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -200,15 +223,24 @@ def _image_range_from_tokenizer(tokenizer) -> tuple[int, int]:
     count = 0
     while f"<I{count}>" in vocab:
         if vocab[f"<I{count}>"] != offset + count:
-            raise ValueError(f"<I{count}> has id {vocab[f'<I{count}>']}, not {offset + count}: image tokens are not "
-                             "contiguous")
+            raise ValueError(
+                f"<I{count}> has id {vocab[f'<I{count}>']}, not {offset + count}: image tokens are not contiguous"
+            )
         count += 1
     return offset, count
 
 
-def load_tar_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16", image_token_offset: int | None = None,
-                      codebook_size: int | None = None, rows: int = DEFAULT_GRID, cols: int = DEFAULT_GRID,
-                      scale: int = 0, trust_remote_code: bool = False) -> TarBackbone:
+def load_tar_backbone(
+    path: str,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    image_token_offset: int | None = None,
+    codebook_size: int | None = None,
+    rows: int = DEFAULT_GRID,
+    cols: int = DEFAULT_GRID,
+    scale: int = 0,
+    trust_remote_code: bool = False,
+) -> TarBackbone:
     """Hydra entry point: a frozen Tar LLM from a local weights directory (e.g. csuhan/Tar-1.5B).
 
     The image-token range comes from the tokenizer's ``<I0>..`` tokens unless given explicitly.
@@ -223,8 +255,16 @@ def load_tar_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16", 
         found_offset, found_size = _image_range_from_tokenizer(tokenizer)
         image_token_offset = found_offset if image_token_offset is None else image_token_offset
         codebook_size = found_size if codebook_size is None else codebook_size
-    backbone = TarBackbone(model, image_token_offset, codebook_size, rows=rows, cols=cols,
-                           name=display_name(directory, MODEL_ID), tokenizer=tokenizer, scale=scale)
+    backbone = TarBackbone(
+        model,
+        image_token_offset,
+        codebook_size,
+        rows=rows,
+        cols=cols,
+        name=display_name(directory, MODEL_ID),
+        tokenizer=tokenizer,
+        scale=scale,
+    )
     return backbone.to(device).eval().requires_grad_(False)
 
 
@@ -233,12 +273,27 @@ def load_tar_backbone(path: str, device: str = "cuda", dtype: str = "bfloat16", 
 TINY_ROWS, TINY_COLS, TINY_CODEBOOK, TINY_OFFSET, TINY_VOCAB = 3, 4, 32, 40, 80
 
 
-def tiny_tar_config(hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, intermediate_size: int = 64,
-                    vocab_size: int = TINY_VOCAB) -> Qwen2Config:
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=1,
-                       max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       attention_dropout=0.0, tie_word_embeddings=False)
+def tiny_tar_config(
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 64,
+    vocab_size: int = TINY_VOCAB,
+) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+    )
 
 
 def random_tar_model(seed: int = 0, **config_overrides) -> Qwen2ForCausalLM:
@@ -253,8 +308,9 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tar_tokenizer(image_token_offset: int = TINY_OFFSET, codebook_size: int = TINY_CODEBOOK,
-                       vocab_size: int = TINY_VOCAB):
+def tiny_tar_tokenizer(
+    image_token_offset: int = TINY_OFFSET, codebook_size: int = TINY_CODEBOOK, vocab_size: int = TINY_VOCAB
+):
     """A word-level tokenizer for the tiny Tar: Qwen2's chat markers, ``<im_start>``, ``<S0..2>`` and ``<I0>..``.
 
     Pad ``<|endoftext|>`` 0, ``<|im_end|>`` 2 (EOS), ``<|im_start|>`` 3, ``<im_start>`` 4, ``<S0>``..``<S2>``
@@ -262,23 +318,43 @@ def tiny_tar_tokenizer(image_token_offset: int = TINY_OFFSET, codebook_size: int
     """
     from backbones.tiny_tokenizer import tiny_word_tokenizer
 
-    fixed = {"<|endoftext|>": 0, "<|bos|>": 1, "<|im_end|>": 2, "<|im_start|>": 3, IMAGE_START: 4,
-             **{f"<S{scale}>": 5 + scale for scale in SCALE_TOKENS}}
+    fixed = {
+        "<|endoftext|>": 0,
+        "<|bos|>": 1,
+        "<|im_end|>": 2,
+        "<|im_start|>": 3,
+        IMAGE_START: 4,
+        **{f"<S{scale}>": 5 + scale for scale in SCALE_TOKENS},
+    }
     fixed.update({f"<I{k}>": image_token_offset + k for k in range(codebook_size)})
     free = [i for i in range(vocab_size) if i not in set(fixed.values())]
-    return tiny_word_tokenizer(fixed, special=list(fixed), free_ids=free, pad_token="<|endoftext|>",
-                               eos_token="<|im_end|>", chat_template=TINY_CHAT_TEMPLATE)
+    return tiny_word_tokenizer(
+        fixed,
+        special=list(fixed),
+        free_ids=free,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
 
 
-def random_tar_backbone(seed: int = 0, device: str = "cpu", rows: int = TINY_ROWS, cols: int = TINY_COLS,
-                        image_token_offset: int = TINY_OFFSET, codebook_size: int = TINY_CODEBOOK,
-                        tokenizer: bool = False, **config_overrides) -> TarBackbone:
+def random_tar_backbone(
+    seed: int = 0,
+    device: str = "cpu",
+    rows: int = TINY_ROWS,
+    cols: int = TINY_COLS,
+    image_token_offset: int = TINY_OFFSET,
+    codebook_size: int = TINY_CODEBOOK,
+    tokenizer: bool = False,
+    **config_overrides,
+) -> TarBackbone:
     """Hydra entry point: a tiny random-weight Tar (Qwen2) backbone (3x4 grid, image ids 40..71).
 
     `tokenizer=True` attaches `tiny_tar_tokenizer`, so ``Condition(prompts=...)`` works.
     """
     model = random_tar_model(seed, **config_overrides)
-    words = (tiny_tar_tokenizer(image_token_offset, codebook_size, model.config.vocab_size) if tokenizer else None)
-    backbone = TarBackbone(model, image_token_offset, codebook_size, rows=rows, cols=cols, name="tar-tiny-random",
-                           tokenizer=words)
+    words = tiny_tar_tokenizer(image_token_offset, codebook_size, model.config.vocab_size) if tokenizer else None
+    backbone = TarBackbone(
+        model, image_token_offset, codebook_size, rows=rows, cols=cols, name="tar-tiny-random", tokenizer=words
+    )
     return backbone.to(device).eval().requires_grad_(False)

@@ -18,15 +18,54 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 # Words that get their own id when the vocabulary has room (in this order); the rest is the unknown token.
-COMMON_WORDS = ["a", "of", "the", "image", "photo", "cat", "dog", "red", "blue", "in", "on", "and", "with", "an",
-                "Generate", "according", "to", "following", "prompt", ":", "system", "user", "assistant", "You",
-                "are", "helpful", ".", "green", "tree", "house", "car", "sky"]
+COMMON_WORDS = [
+    "a",
+    "of",
+    "the",
+    "image",
+    "photo",
+    "cat",
+    "dog",
+    "red",
+    "blue",
+    "in",
+    "on",
+    "and",
+    "with",
+    "an",
+    "Generate",
+    "according",
+    "to",
+    "following",
+    "prompt",
+    ":",
+    "system",
+    "user",
+    "assistant",
+    "You",
+    "are",
+    "helpful",
+    ".",
+    "green",
+    "tree",
+    "house",
+    "car",
+    "sky",
+]
 
 
-def tiny_word_tokenizer(fixed: dict[str, int], special: list[str], free_ids: list[int], unk_token: str = "<unk>",
-                        bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
-                        add_bos: bool = False, chat_template: str | None = None,
-                        extra_special_tokens: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
+def tiny_word_tokenizer(
+    fixed: dict[str, int],
+    special: list[str],
+    free_ids: list[int],
+    unk_token: str = "<unk>",
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    pad_token: str | None = None,
+    add_bos: bool = False,
+    chat_template: str | None = None,
+    extra_special_tokens: dict[str, str] | None = None,
+) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over the ids of a tiny model.
 
     `fixed` maps the tokens whose ids the model defines (BOS, image markers, digits)
@@ -54,11 +93,17 @@ def tiny_word_tokenizer(fixed: dict[str, int], special: list[str], free_ids: lis
     if add_bos:
         if bos_token is None:
             raise ValueError("add_bos needs bos_token")
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A",
-                                                                  special_tokens=[(bos_token, fixed[bos_token])])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=unk_token, bos_token=bos_token,
-                                      eos_token=eos_token, pad_token=pad_token,
-                                      extra_special_tokens=extra_special_tokens or {})
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", special_tokens=[(bos_token, fixed[bos_token])]
+        )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token=unk_token,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        extra_special_tokens=extra_special_tokens or {},
+    )
     if chat_template is not None:
         wrapped.chat_template = chat_template
     return wrapped

@@ -56,8 +56,17 @@ def _job_order(name: str):
 
 def _decode_figures(figures: dict) -> dict:
     """The columns of a decoding sweep: cost, speedup against the job's baseline, and quality."""
-    row = {key: figures[key] for key in ("forward_passes_per_image", "seconds_per_image", "speedup_vs_ar",
-                                          "nfe_reduction_vs_ar", "draft_acceptance_rate") if key in figures}
+    row = {
+        key: figures[key]
+        for key in (
+            "forward_passes_per_image",
+            "seconds_per_image",
+            "speedup_vs_ar",
+            "nfe_reduction_vs_ar",
+            "draft_acceptance_rate",
+        )
+        if key in figures
+    }
     row.update({f"quality.{key}": value for key, value in (figures.get("quality") or {}).items()})
     return row
 
@@ -81,8 +90,10 @@ class SweepSummary(Callback):
             print(f"[sweep] {len(rows)} method runs; {where}")
             for row in rows:
                 quality = "  ".join(f"{k.split('.', 1)[1]} {v:.3f}" for k, v in row.items() if k.startswith("quality."))
-                print(f"[sweep] job {row['job']:>3} {row['method']:>18}: {row['forward_passes_per_image']:7.1f} passes  "
-                      f"speedup {row['speedup_vs_ar']:.2f}x  {quality}  {row['overrides']}")
+                print(
+                    f"[sweep] job {row['job']:>3} {row['method']:>18}: {row['forward_passes_per_image']:7.1f} passes  "
+                    f"speedup {row['speedup_vs_ar']:.2f}x  {quality}  {row['overrides']}"
+                )
             return
         print(f"[sweep] {len(rows)} jobs ranked by {self.metric} ({self.mode}); {where}")
         for rank, row in enumerate(rows, 1):

@@ -34,9 +34,9 @@ import hashlib
 import io
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ import webdataset as wds
 from tqdm import tqdm
 
 from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
-from common.atomic_io import atomic_path, atomic_write_text
 from backbones.digits import NUM_CLASSES
+from common.atomic_io import atomic_path, atomic_write_text
 from decode.conditions import load_prompts
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,13 @@ class CorpusSpec:
                 spec.update(conditions="class_ids", num_classes=self.num_classes)
         else:
             listing = "\n".join(self.prompts()).encode()
-            spec.update(conditions="prompts", prompt_source=self.prompt_source, prompt_column=self.prompt_column,
-                        prompts_sha1=hashlib.sha1(listing).hexdigest(), num_prompts=len(self.prompts()))
+            spec.update(
+                conditions="prompts",
+                prompt_source=self.prompt_source,
+                prompt_column=self.prompt_column,
+                prompts_sha1=hashlib.sha1(listing).hexdigest(),
+                num_prompts=len(self.prompts()),
+            )
         return spec
 
     def digest(self, backbone_identity: dict) -> str:
@@ -130,7 +135,7 @@ def _class_ids_for_shard(spec: CorpusSpec, shard: int) -> torch.Tensor:
     """Balanced classes, shuffled per shard with the shard's seed."""
     start = shard * spec.shard_size
     count = min(spec.shard_size, spec.num_images - start)
-    ids = (torch.arange(start, start + count) % spec.num_classes)
+    ids = torch.arange(start, start + count) % spec.num_classes
     return ids[torch.randperm(count, generator=torch.Generator().manual_seed(spec.seed * 100_003 + shard))]
 
 
@@ -149,8 +154,9 @@ def _shard_condition(spec: CorpusSpec, shard: int) -> Condition:
     return Condition(class_ids=_class_ids_for_shard(spec, shard))
 
 
-def grouped_teacher_forced_hidden(backbone: ARImageBackbone, condition: Condition, tokens: torch.Tensor,
-                                  guided: bool) -> torch.Tensor:
+def grouped_teacher_forced_hidden(
+    backbone: ARImageBackbone, condition: Condition, tokens: torch.Tensor, guided: bool
+) -> torch.Tensor:
     """`teacher_forced_hidden` for a batch of any prompts: (twins * B, N, H), [cond; uncond] rows, batch order.
 
     Prompts of different token lengths run as separate groups (`group_by_prompt_length`)
@@ -171,8 +177,14 @@ def grouped_teacher_forced_hidden(backbone: ARImageBackbone, condition: Conditio
     return out
 
 
-def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusSpec, rank: int = 0,
-                 world_size: int = 1, barrier: Callable[[], None] = lambda: None) -> Path:
+def build_corpus(
+    backbone: ARImageBackbone,
+    directory: str | Path,
+    spec: CorpusSpec,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
     """Generate the corpus into `directory` (or finish an interrupted build); return the directory.
 
     Data-parallel: under DDP every rank calls it with its rank, the world size and
@@ -184,7 +196,9 @@ def build_corpus(backbone: ARImageBackbone, directory: str | Path, spec: CorpusS
     barrier()  # the manifest exists (or the mismatch was raised) before anyone generates
     manifest = json.loads((directory / MANIFEST).read_text())
     if not manifest["complete"]:
-        mine = [i for i in range(spec.num_shards) if i % world_size == rank and not (directory / shard_name(i)).is_file()]
+        mine = [
+            i for i in range(spec.num_shards) if i % world_size == rank and not (directory / shard_name(i)).is_file()
+        ]
         _generate_shards(backbone, directory, spec, mine)
         barrier()  # every shard is written
         if rank == 0:
@@ -199,11 +213,18 @@ def _open_manifest(directory: Path, spec: CorpusSpec, identity: dict) -> None:
     manifest_path = directory / MANIFEST
     if manifest_path.is_file():
         if json.loads(manifest_path.read_text()).get("digest") != spec.digest(identity):
-            raise ValueError(f"{directory} holds a corpus of another backbone or other settings; "
-                             "delete it or point data.corpus_root elsewhere")
+            raise ValueError(
+                f"{directory} holds a corpus of another backbone or other settings; "
+                "delete it or point data.corpus_root elsewhere"
+            )
         return
-    manifest = {"digest": spec.digest(identity), "spec": asdict(spec), "backbone": identity, "complete": False,
-                "shards": [shard_name(i) for i in range(spec.num_shards)]}
+    manifest = {
+        "digest": spec.digest(identity),
+        "spec": asdict(spec),
+        "backbone": identity,
+        "complete": False,
+        "shards": [shard_name(i) for i in range(spec.num_shards)],
+    }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
@@ -212,7 +233,9 @@ def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpe
     from decode.ar import generate_ar  # the baseline generator is the corpus generator
     from decode.sampling import SamplingConfig
 
-    sampling = SamplingConfig(cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p)
+    sampling = SamplingConfig(
+        cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p
+    )
     device = next(backbone.parameters()).device
     for shard in tqdm(shards, desc="corpus shards", unit="shard", disable=None):
         condition = _shard_condition(spec, shard)
@@ -228,8 +251,11 @@ def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpe
                     batch = Condition(class_ids=batch.class_ids.to(device))
                 result = generate_ar(backbone, batch, sampling, generator, record_hidden=spec.store_hidden)
                 for j, index in enumerate(indices.tolist()):
-                    cond = ({"class_id": int(condition.class_ids[index])} if condition.class_ids is not None
-                            else {"prompt": condition.prompts[index]})
+                    cond = (
+                        {"class_id": int(condition.class_ids[index])}
+                        if condition.class_ids is not None
+                        else {"prompt": condition.prompts[index]}
+                    )
                     sample = {
                         "__key__": f"{shard * spec.shard_size + index:08d}",
                         "tokens.npy": _npy_bytes(result.tokens[j].flatten().cpu().numpy().astype(np.int16)),
@@ -269,16 +295,20 @@ def _decode_sample(sample: dict) -> dict:
         if "hidden.npy" in sample:
             out["hidden"] = torch.from_numpy(np.load(io.BytesIO(sample["hidden.npy"])))
     except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged sample
-        raise CorruptShardError(f"sample {key} of {sample.get('__url__', 'a corpus shard')} is damaged ({error}); "
-                                "delete that shard and rebuild the corpus to regenerate it") from error
+        raise CorruptShardError(
+            f"sample {key} of {sample.get('__url__', 'a corpus shard')} is damaged ({error}); "
+            "delete that shard and rebuild the corpus to regenerate it"
+        ) from error
     return out
 
 
 def _raise_with_shard(error: Exception) -> bool:
     """webdataset's error handler: name the shard (webdataset appends its url to the error's args)."""
     shard = next((a for a in reversed(error.args) if isinstance(a, str) and a.endswith(".tar")), "a corpus shard")
-    raise CorruptShardError(f"{shard} is unreadable or truncated ({error.args[0] if error.args else error}); "
-                            "delete it and rebuild the corpus (the build regenerates missing shards only)") from error
+    raise CorruptShardError(
+        f"{shard} is unreadable or truncated ({error.args[0] if error.args else error}); "
+        "delete it and rebuild the corpus (the build regenerates missing shards only)"
+    ) from error
 
 
 def corpus_dataset(directory: str | Path, shards: list[str], shuffle: int = 0, repeat: bool = False, seed: int = 0):
@@ -286,9 +316,18 @@ def corpus_dataset(directory: str | Path, shards: list[str], shuffle: int = 0, r
     urls = [str(Path(directory) / name) for name in shards]
     missing = [u for u in urls if not Path(u).is_file()]
     if missing:
-        raise FileNotFoundError(f"corpus shards missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; rebuild the corpus")
-    dataset = wds.WebDataset(urls, shardshuffle=len(urls) if shuffle else False, nodesplitter=wds.split_by_node,
-                             workersplitter=wds.split_by_worker, handler=_raise_with_shard, seed=seed, empty_check=False)
+        raise FileNotFoundError(
+            f"corpus shards missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; rebuild the corpus"
+        )
+    dataset = wds.WebDataset(
+        urls,
+        shardshuffle=len(urls) if shuffle else False,
+        nodesplitter=wds.split_by_node,
+        workersplitter=wds.split_by_worker,
+        handler=_raise_with_shard,
+        seed=seed,
+        empty_check=False,
+    )
     if repeat:
         dataset = dataset.repeat()
     if shuffle:

@@ -39,13 +39,24 @@ class ResumedStream(IterableDataset):
 class CorpusDataModule(pl.LightningDataModule):
     """Streams (tokens, class_id or prompt[, hidden]) from the corpus; the last `val_shards` shards are held out."""
 
-    def __init__(self, backbone: ARImageBackbone, corpus_root: str, spec: dict, batch_size: int = 16,
-                 val_shards: int = 1, num_workers: int = 0, shuffle_buffer: int = 256, seed: int = 0):
+    def __init__(
+        self,
+        backbone: ARImageBackbone,
+        corpus_root: str,
+        spec: dict,
+        batch_size: int = 16,
+        val_shards: int = 1,
+        num_workers: int = 0,
+        shuffle_buffer: int = 256,
+        seed: int = 0,
+    ):
         super().__init__()
         self.spec = CorpusSpec(**spec)
         if not 0 < val_shards < self.spec.num_shards:
-            raise ValueError(f"data.val_shards must be in [1, {self.spec.num_shards - 1}] for a corpus of "
-                             f"{self.spec.num_shards} shards (raise data.spec.num_images or lower data.spec.shard_size)")
+            raise ValueError(
+                f"data.val_shards must be in [1, {self.spec.num_shards - 1}] for a corpus of "
+                f"{self.spec.num_shards} shards (raise data.spec.num_images or lower data.spec.shard_size)"
+            )
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         _check_conditions_fit(self.spec, backbone)
@@ -63,19 +74,29 @@ class CorpusDataModule(pl.LightningDataModule):
         else:
             # Lightning moves the module to this rank's device only after `setup`: generate there already.
             self.backbone.to(trainer.strategy.root_device)
-            build_corpus(self.backbone, self.directory, self.spec, rank=trainer.global_rank,
-                         world_size=trainer.world_size, barrier=trainer.strategy.barrier)
+            build_corpus(
+                self.backbone,
+                self.directory,
+                self.spec,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                barrier=trainer.strategy.barrier,
+            )
 
     def _shards(self, split: str) -> list[str]:
         names = [shard_name(i) for i in range(self.spec.num_shards)]
         return names[: -self.val_shards] if split == "train" else names[-self.val_shards :]
 
     def train_dataloader(self) -> DataLoader:
-        dataset = corpus_dataset(self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True,
-                                 seed=self.seed)
+        dataset = corpus_dataset(
+            self.directory, self._shards("train"), shuffle=self.shuffle_buffer, repeat=True, seed=self.seed
+        )
         if self.skip_batches:  # the stream is seeded, so skipping what was consumed restores the position
-            log.info("resuming: skipping the %d training batches (%d samples) the checkpoint consumed",
-                     self.skip_batches, self.skip_batches * self.batch_size)
+            log.info(
+                "resuming: skipping the %d training batches (%d samples) the checkpoint consumed",
+                self.skip_batches,
+                self.skip_batches * self.batch_size,
+            )
             dataset = ResumedStream(dataset, self.skip_batches, self.batch_size)
         return self._loader(dataset)
 
@@ -85,8 +106,12 @@ class CorpusDataModule(pl.LightningDataModule):
     def _loader(self, dataset) -> DataLoader:
         # Its own generator: creating an iterator must not draw from the global RNG, or a resumed run would
         # see other random numbers (feature noise) than an uninterrupted one.
-        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def sample_condition(self, num_images: int) -> Condition:
         """Conditions for sample grids during training: the corpus's first prompts, or balanced class ids."""
@@ -109,12 +134,18 @@ def _check_conditions_fit(spec: CorpusSpec, backbone: ARImageBackbone) -> None:
     """Refuse, before any generation, a condition kind or class count the backbone cannot take."""
     text_to_image = hasattr(backbone, "prompt_token_ids")
     if spec.conditions == "class_ids" and text_to_image:
-        raise ValueError(f"data.spec.conditions=class_ids but {backbone.name} is text-to-image: set "
-                         "data.spec.conditions=prompts (and data.spec.prompt_source)")
+        raise ValueError(
+            f"data.spec.conditions=class_ids but {backbone.name} is text-to-image: set "
+            "data.spec.conditions=prompts (and data.spec.prompt_source)"
+        )
     if spec.conditions == "prompts" and not text_to_image:
-        raise ValueError(f"data.spec.conditions=prompts but {backbone.name} is class-conditional: set "
-                         "data.spec.conditions=class_ids (and data.spec.num_classes)")
+        raise ValueError(
+            f"data.spec.conditions=prompts but {backbone.name} is class-conditional: set "
+            "data.spec.conditions=class_ids (and data.spec.num_classes)"
+        )
     classes = getattr(getattr(backbone, "config", None), "num_classes", None)
     if spec.conditions == "class_ids" and isinstance(classes, int) and spec.num_classes > classes:
-        raise ValueError(f"data.spec.num_classes={spec.num_classes} but {backbone.name} has {classes} classes; "
-                         f"set data.spec.num_classes={classes}")
+        raise ValueError(
+            f"data.spec.num_classes={spec.num_classes} but {backbone.name} has {classes} classes; "
+            f"set data.spec.num_classes={classes}"
+        )

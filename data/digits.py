@@ -71,6 +71,7 @@ def render_digits(
     theta = torch.zeros(n, 2, 3)
     theta[:, 0, 0] = theta[:, 1, 1] = 1.0 / UNAUGMENTED_SCALE
     if augment is not None:
+
         def uniform(low, high):
             return torch.rand(n, generator=generator) * (high - low) + low
 
@@ -84,6 +85,7 @@ def render_digits(
         coarse = torch.randn(n, 2, augment.elastic_grid, augment.elastic_grid, generator=generator)
         field = F.interpolate(coarse, size=(grid_size, grid_size), mode="bicubic", align_corners=True)
         sampling_grid = sampling_grid + augment.elastic_strength * field.permute(0, 2, 3, 1)
-    rendered = F.grid_sample(images.unsqueeze(1), sampling_grid, mode="bicubic", padding_mode="zeros", align_corners=False)
+    rendered = F.grid_sample(
+        images.unsqueeze(1), sampling_grid, mode="bicubic", padding_mode="zeros", align_corners=False
+    )
     return rendered.squeeze(1).clamp(0, 1)
-

@@ -17,8 +17,15 @@ class AugmentedDigitsDataset(Dataset):
     worker (`seed_everything(workers=True)`).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, grid_size: int,
-                 tokenizer: DigitsTokenizer, augment: DigitsAugment, repeats: int):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        grid_size: int,
+        tokenizer: DigitsTokenizer,
+        augment: DigitsAugment,
+        repeats: int,
+    ):
         self.images, self.labels = images, labels
         self.grid_size, self.tokenizer, self.augment, self.repeats = grid_size, tokenizer, augment, repeats
 
@@ -31,8 +38,9 @@ class AugmentedDigitsDataset(Dataset):
         return self.tokenizer.encode(rendered).flatten(), self.labels[index]
 
 
-def fixed_augmented_split(split: str, grid_size: int, tokenizer: DigitsTokenizer, augment: DigitsAugment,
-                          copies: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fixed_augmented_split(
+    split: str, grid_size: int, tokenizer: DigitsTokenizer, augment: DigitsAugment, copies: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A split rendered `copies` times with a fixed seed: (tokens (N*copies, grid*grid), labels)."""
     images, labels = load_digit_images(split)
     generator = torch.Generator().manual_seed(seed)
@@ -44,8 +52,17 @@ def fixed_augmented_split(split: str, grid_size: int, tokenizer: DigitsTokenizer
 class DigitsDataModule(pl.LightningDataModule):
     """Token grids of the bundled digits: augmented on the fly for training, fixed for validation."""
 
-    def __init__(self, grid_size: int = 24, levels: int = 16, batch_size: int = 32, num_workers: int = 0,
-                 epoch_repeats: int = 4, val_copies: int = 2, augment: dict | None = None, seed: int = 1234):
+    def __init__(
+        self,
+        grid_size: int = 24,
+        levels: int = 16,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        epoch_repeats: int = 4,
+        val_copies: int = 2,
+        augment: dict | None = None,
+        seed: int = 1234,
+    ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
@@ -56,14 +73,22 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         images, labels = load_digit_images("train")
-        self.train_set = AugmentedDigitsDataset(images, labels, self.grid_size, self.tokenizer, self.augment,
-                                                self.epoch_repeats)
-        self.val_set = TensorDataset(*fixed_augmented_split("val", self.grid_size, self.tokenizer, self.augment,
-                                                             self.val_copies, self.seed))
+        self.train_set = AugmentedDigitsDataset(
+            images, labels, self.grid_size, self.tokenizer, self.augment, self.epoch_repeats
+        )
+        self.val_set = TensorDataset(
+            *fixed_augmented_split("val", self.grid_size, self.tokenizer, self.augment, self.val_copies, self.seed)
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size * 2, num_workers=self.num_workers)

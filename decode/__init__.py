@@ -13,5 +13,13 @@ from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
 
-__all__ = ["Condition", "GenerationResult", "MuLoDecodeConfig", "SamplingConfig", "SSDDecodeConfig", "generate_ar",
-           "generate_mulo", "generate_ssd"]
+__all__ = [
+    "Condition",
+    "GenerationResult",
+    "MuLoDecodeConfig",
+    "SamplingConfig",
+    "SSDDecodeConfig",
+    "generate_ar",
+    "generate_mulo",
+    "generate_ssd",
+]

@@ -51,8 +51,9 @@ def generate_ar(
         tokens[:, position] = next_token[:, 0]
         if position + 1 < geometry.num_tokens:  # the last token needs no pass of its own
             hidden = backbone.step(state, next_token)
-    return GenerationResult(tokens.view(-1, geometry.rows, geometry.cols), forward_passes=geometry.num_tokens,
-                            hidden=recorded)
+    return GenerationResult(
+        tokens.view(-1, geometry.rows, geometry.cols), forward_passes=geometry.num_tokens, hidden=recorded
+    )
 
 
 def _generate(backbone, _artefact, condition, sampling, generator, _settings: ARDecodeConfig) -> GenerationResult:

@@ -12,8 +12,8 @@ what limits the speedup; on a GPU at small batch, the rest usually does.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

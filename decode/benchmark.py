@@ -45,8 +45,14 @@ class SeedRun:
     batch_images: list[int] = field(default_factory=list)
 
 
-def run_interleaved(methods: list[Method], backbone: ARImageBackbone, conditions: Conditions, batch_size: int,
-                    sampling: SamplingConfig, seeds: list[int]) -> dict[str, list[SeedRun]]:
+def run_interleaved(
+    methods: list[Method],
+    backbone: ARImageBackbone,
+    conditions: Conditions,
+    batch_size: int,
+    sampling: SamplingConfig,
+    seeds: list[int],
+) -> dict[str, list[SeedRun]]:
     """Generate every image with every method at every seed, taking turns batch by batch; {name: [SeedRun per seed]}."""
     device = next(backbone.parameters()).device
     batches = conditions.batches(batch_size, backbone)
@@ -55,21 +61,37 @@ def run_interleaved(methods: list[Method], backbone: ARImageBackbone, conditions
     warm_up = _to(conditions.subset(batches[0][0][:1]), device)
     for method in methods:
         method.generate(backbone, warm_up, sampling, torch.Generator(device=device).manual_seed(seeds[0]))
-    runs = {method.name: [SeedRun(seed, torch.Generator(device=device).manual_seed(seed),
-                                  torch.zeros(len(conditions), geometry.rows, geometry.cols, dtype=torch.long))
-                          for seed in seeds] for method in methods}
+    runs = {
+        method.name: [
+            SeedRun(
+                seed,
+                torch.Generator(device=device).manual_seed(seed),
+                torch.zeros(len(conditions), geometry.rows, geometry.cols, dtype=torch.long),
+            )
+            for seed in seeds
+        ]
+        for method in methods
+    }
     turns = [(k, b) for k in range(len(seeds)) for b in range(len(batches))]
-    for turn, (k, b) in enumerate(tqdm(turns, desc=f"decode {len(methods)} methods", unit="batch", leave=False,
-                                       disable=None)):
+    for turn, (k, b) in enumerate(
+        tqdm(turns, desc=f"decode {len(methods)} methods", unit="batch", leave=False, disable=None)
+    ):
         indices, condition = batches[b]
         condition = _to(condition, device)
-        for method in methods[turn % len(methods):] + methods[: turn % len(methods)]:  # rotating order
+        for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:  # rotating order
             _timed_batch(method, runs[method.name][k], backbone, indices, condition, sampling, device)
     return runs
 
 
-def _timed_batch(method: Method, run: SeedRun, backbone: ARImageBackbone, indices: torch.Tensor, condition: Condition,
-                 sampling: SamplingConfig, device: torch.device) -> None:
+def _timed_batch(
+    method: Method,
+    run: SeedRun,
+    backbone: ARImageBackbone,
+    indices: torch.Tensor,
+    condition: Condition,
+    sampling: SamplingConfig,
+    device: torch.device,
+) -> None:
     with clock_backbone_passes(backbone) as backbone_clock:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -105,10 +127,12 @@ def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) 
         "seconds_total": seconds,
         # Inside the backbone's passes (decode/backbone_clock.py); the rest is drafting and verification.
         "backbone_seconds_per_image": backbone_seconds / images,
-        "seconds_per_image_spread": _percentiles([s / n for run in runs
-                                                  for s, n in zip(run.batch_seconds, run.batch_images)]),
-        "speedup_vs_ar_spread": _percentiles([a / s for run, base in zip(runs, baseline)
-                                              for a, s in zip(base.batch_seconds, run.batch_seconds)]),
+        "seconds_per_image_spread": _percentiles(
+            [s / n for run in runs for s, n in zip(run.batch_seconds, run.batch_images)]
+        ),
+        "speedup_vs_ar_spread": _percentiles(
+            [a / s for run, base in zip(runs, baseline) for a, s in zip(base.batch_seconds, run.batch_seconds)]
+        ),
     }
     drafted = sum(run.drafted for run in runs)
     if drafted:

@@ -31,7 +31,7 @@ from decode.images import save_image_grid, save_tokens
 from decode.plots import plot_speed_quality
 from decode.quality import DigitsQuality
 from decode.real_quality import RealQuality
-from decode.registry import BASELINE, Method, check_methods, load_artefacts
+from decode.registry import BASELINE, check_methods, load_artefacts
 from decode.report import band_of, mean_quality, summary_table
 from decode.sampling import SamplingConfig
 from decode.settings import settings_from
@@ -67,7 +67,9 @@ def check_run_settings(cfg: DictConfig) -> DecodeRunSettings:
 
 def sampling_from_config(cfg: DictConfig) -> SamplingConfig:
     d = cfg.decode
-    return SamplingConfig(cfg_scale=d.cfg_scale, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, greedy=d.greedy)
+    return SamplingConfig(
+        cfg_scale=d.cfg_scale, temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, greedy=d.greedy
+    )
 
 
 def is_digits(backbone: ARImageBackbone) -> bool:
@@ -86,8 +88,9 @@ def build_quality(cfg: DictConfig, backbone: ARImageBackbone, pixels_available: 
     weights fail at once; with neither key set, quality is not measured.
     """
     if is_digits(backbone):
-        scorer = DigitsQuality(backbone.geometry.rows, backbone.codebook_size,
-                               Path(cfg.paths.checkpoints_dir) / "digits-classifier")
+        scorer = DigitsQuality(
+            backbone.geometry.rows, backbone.codebook_size, Path(cfg.paths.checkpoints_dir) / "digits-classifier"
+        )
         return scorer, "digits classifier accuracy and Fréchet distance of its features (decode/quality.py)"
     settings = cfg.decode.get("quality") or {}
     reference_dir, clip = settings.get("reference_dir"), settings.get("clip")
@@ -95,25 +98,36 @@ def build_quality(cfg: DictConfig, backbone: ARImageBackbone, pixels_available: 
         log.info("decode.quality.clip is set but %s is class-conditional: no CLIP score", backbone.name)
         clip = None
     if reference_dir is None and clip is None:
-        return None, ("quality not measured: set decode.quality.reference_dir (FID) and, for text-to-image "
-                      "backbones, decode.quality.clip (CLIP score); the figures are passes and speed only")
+        return None, (
+            "quality not measured: set decode.quality.reference_dir (FID) and, for text-to-image "
+            "backbones, decode.quality.clip (CLIP score); the figures are passes and speed only"
+        )
     if not pixels_available:
-        raise ValueError(f"quality metrics were asked for (decode.quality) but {backbone.name} cannot decode tokens "
-                         "to pixels (see the line above); give the backbone its image decoder or set "
-                         "decode.quality.reference_dir=null decode.quality.clip=null")
+        raise ValueError(
+            f"quality metrics were asked for (decode.quality) but {backbone.name} cannot decode tokens "
+            "to pixels (see the line above); give the backbone its image decoder or set "
+            "decode.quality.reference_dir=null decode.quality.clip=null"
+        )
     features = settings.get("fid_features", "inception")
     if isinstance(features, DictConfig):  # a `_target_` mapping: the user's own feature extractor
         features = hydra.utils.instantiate(features)
-    scorer = RealQuality(reference_dir=reference_dir, fid_features=features, fid_weights=settings.get("fid_weights"),
-                         clip=clip, max_reference_images=settings.get("max_reference_images"),
-                         batch_size=settings.get("batch_size", 32), device=next(backbone.parameters()).device)
+    scorer = RealQuality(
+        reference_dir=reference_dir,
+        fid_features=features,
+        fid_weights=settings.get("fid_weights"),
+        clip=clip,
+        max_reference_images=settings.get("max_reference_images"),
+        batch_size=settings.get("batch_size", 32),
+        device=next(backbone.parameters()).device,
+    )
     return scorer, f"{' and '.join(scorer.measures)} (decode/real_quality.py)"
 
 
 def pixels_work(backbone: ARImageBackbone) -> bool:
     """Whether `tokens_to_pixels` works for this backbone (one all-zero image is decoded to find out)."""
-    probe = torch.zeros(1, backbone.geometry.rows, backbone.geometry.cols, dtype=torch.long,
-                        device=next(backbone.parameters()).device)
+    probe = torch.zeros(
+        1, backbone.geometry.rows, backbone.geometry.cols, dtype=torch.long, device=next(backbone.parameters()).device
+    )
     try:
         with torch.no_grad():
             backbone.tokens_to_pixels(probe)
@@ -133,8 +147,9 @@ def run_decode(cfg: DictConfig) -> dict:
     methods = check_methods(cfg.decode)
     out = _output_dir(cfg)
     backbone: ARImageBackbone = hydra.utils.instantiate(cfg.backbone)
-    conditions = build_conditions(backbone, settings.num_images, cfg.decode.get("num_classes"), cfg.decode.prompts,
-                                  cfg.decode.prompt_column)
+    conditions = build_conditions(
+        backbone, settings.num_images, cfg.decode.get("num_classes"), cfg.decode.prompts, cfg.decode.prompt_column
+    )
     pixels_available = is_digits(backbone) or pixels_work(backbone)
     quality, quality_note = build_quality(cfg, backbone, pixels_available)
     print(f"[decode] quality: {quality_note}")
@@ -184,14 +199,19 @@ def _report_header(cfg, backbone, sampling, settings: DecodeRunSettings, seeds, 
         "torch_threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "overrides": overrides,
-        "presets": {name: OmegaConf.to_container(preset, resolve=True)
-                    for name, preset in cfg.decode.presets.items() if name in cfg.decode.methods or name == BASELINE},
+        "presets": {
+            name: OmegaConf.to_container(preset, resolve=True)
+            for name, preset in cfg.decode.presets.items()
+            if name in cfg.decode.methods or name == BASELINE
+        },
         "methods": {},
     }
     if not is_digits(backbone):  # the digits report keeps its historical keys
-        report["conditions"] = ({"kind": "prompts", "source": cfg.decode.prompts, "distinct": len(set(conditions.prompts))}
-                                if conditions.prompts is not None else
-                                {"kind": "class_ids", "num_classes": conditions.num_classes})
+        report["conditions"] = (
+            {"kind": "prompts", "source": cfg.decode.prompts, "distinct": len(set(conditions.prompts))}
+            if conditions.prompts is not None
+            else {"kind": "class_ids", "num_classes": conditions.num_classes}
+        )
         report["quality_note"] = quality_note
     return report
 
@@ -218,5 +238,9 @@ def _decode_pixels(backbone: ARImageBackbone, tokens: torch.Tensor, batch_size: 
     """Tokens (N, rows, cols) -> images (N, C, H, W) on the CPU, decoded in batches (VQ decoders are large)."""
     device = next(backbone.parameters()).device
     with torch.no_grad():
-        return torch.cat([backbone.tokens_to_pixels(tokens[start : start + batch_size].to(device)).float().cpu()
-                          for start in range(0, len(tokens), batch_size)])
+        return torch.cat(
+            [
+                backbone.tokens_to_pixels(tokens[start : start + batch_size].to(device)).float().cpu()
+                for start in range(0, len(tokens), batch_size)
+            ]
+        )

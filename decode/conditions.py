@@ -48,8 +48,10 @@ def balanced_class_ids(num_images: int, num_classes: int) -> torch.Tensor:
 
 def _existing(path: str) -> Path:
     if not Path(path).is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist; give a .txt/.jsonl/.json/.parquet/.csv file, "
-                                f"a hub dataset id, or one of the shipped sets {sorted(SHIPPED)}")
+        raise FileNotFoundError(
+            f"prompt file {path} does not exist; give a .txt/.jsonl/.json/.parquet/.csv file, "
+            f"a hub dataset id, or one of the shipped sets {sorted(SHIPPED)}"
+        )
     return Path(path)
 
 
@@ -63,8 +65,10 @@ def _dataset_column(name: str, column: str, split: str, **kwargs) -> list:
     try:
         table = datasets.load_dataset(name, split=split, **kwargs)
     except Exception as error:  # noqa: BLE001 - a missing dataset surfaces as many error types
-        raise ValueError(f"could not load prompts from {kwargs.get('data_files', name)!r} ({error}); a hub id needs "
-                         "network access, otherwise download it and give the local file") from error
+        raise ValueError(
+            f"could not load prompts from {kwargs.get('data_files', name)!r} ({error}); a hub id needs "
+            "network access, otherwise download it and give the local file"
+        ) from error
     if column not in table.column_names:
         raise ValueError(f"prompt column {column!r} not in {table.column_names}; set the caption column name")
     return table[column]
@@ -103,8 +107,13 @@ def is_text_to_image(backbone: ARImageBackbone) -> bool:
     return hasattr(backbone, "prompt_token_ids")
 
 
-def build_conditions(backbone: ARImageBackbone, count: int, num_classes: int | None = None, prompts: str = "smoke",
-                     prompt_column: str = "caption") -> Conditions:
+def build_conditions(
+    backbone: ARImageBackbone,
+    count: int,
+    num_classes: int | None = None,
+    prompts: str = "smoke",
+    prompt_column: str = "caption",
+) -> Conditions:
     """Balanced class ids for class-conditional backbones, prompts from `prompts` for text-to-image ones.
 
     `num_classes` None means the backbone's own class count (10 digits, 1000
@@ -121,6 +130,8 @@ def build_conditions(backbone: ARImageBackbone, count: int, num_classes: int | N
     if num_classes is None:
         raise ValueError(f"{backbone.name}: set decode.num_classes (the backbone does not say how many classes it has)")
     if own is not None and num_classes > own:
-        raise ValueError(f"decode.num_classes={num_classes} but {backbone.name} has {own} classes; "
-                         f"set decode.num_classes<={own} (or null for all of them)")
+        raise ValueError(
+            f"decode.num_classes={num_classes} but {backbone.name} has {own} classes; "
+            f"set decode.num_classes<={own} (or null for all of them)"
+        )
     return Conditions(class_ids=balanced_class_ids(count, num_classes), num_classes=num_classes)

@@ -11,7 +11,9 @@ from PIL import Image
 from common.atomic_io import atomic_path
 
 
-def save_image_grid(images: torch.Tensor, path: str | Path, columns: int = 10, scale: int = 4, padding: int = 1) -> None:
+def save_image_grid(
+    images: torch.Tensor, path: str | Path, columns: int = 10, scale: int = 4, padding: int = 1
+) -> None:
     """Save images (N, C, H, W) in [0, 1] as one PNG grid, `columns` wide, each pixel `scale`x enlarged."""
     n, channels, height, width = images.shape
     rows = -(-n // columns)

@@ -9,8 +9,9 @@ from a preset, loads the export the method needs, and calls `generate`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -68,8 +68,8 @@ from typing import Literal
 import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
-from decode.mulo_resampling import block_proposals, downsample_to_drafter, resampling_latents, upsample_block
 from decode.method import MethodSpec
+from decode.mulo_resampling import block_proposals, downsample_to_drafter, resampling_latents, upsample_block
 from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
 from decode.rules import (
@@ -95,7 +95,9 @@ class MuLoDecodeConfig:
     delta: float = 0.2  # pooled probability budget; 0 = standard acceptance
     radius: int = 1  # rho: rejected tokens grow by this many cells before islands are resampled
     upsample_mode: str = "nearest"  # interpolation of the upsampler (in pixel or latent space, per the drafter)
-    rounds: int = 0  # relaxed: re-verification passes per block after resampling its islands (a block costs <= rounds + 1)
+    rounds: int = (
+        0  # relaxed: re-verification passes per block after resampling its islands (a block costs <= rounds + 1)
+    )
     proposal: Literal["drafter", "point"] = "drafter"  # relaxed: q(x) of a draft (see the module docstring)
     # The drafter is distilled from the backbone's guided samples, so its conditional model already is the
     # guided distribution; guiding it again over-sharpens its drafts (measured: README). 1.0: no unconditional twin.
@@ -109,8 +111,10 @@ class MuLoDecodeConfig:
         if self.drafter_cfg_scale < 0:
             raise ValueError(f"MuLo drafter_cfg_scale must be >= 0, got {self.drafter_cfg_scale}")
         if self.k < 0 or self.delta < 0 or self.radius < 0 or self.rounds < 0:
-            raise ValueError(f"MuLo k, delta, radius and rounds must be >= 0, got {self.k}, {self.delta}, "
-                             f"{self.radius}, {self.rounds}")
+            raise ValueError(
+                f"MuLo k, delta, radius and rounds must be >= 0, got {self.k}, {self.delta}, "
+                f"{self.radius}, {self.rounds}"
+            )
 
 
 @dataclass
@@ -182,8 +186,12 @@ def generate_mulo(
         while not verify(setup, run, block):  # step 3: one pass, its verdict, the redraws
             pass
         _commit_block(setup, run, block)  # step 4: the drafter continues from the accepted image
-    return GenerationResult(run.tokens.view(-1, rows, cols), forward_passes=run.passes, drafted_tokens=run.drafted,
-                            accepted_tokens=run.accepted)
+    return GenerationResult(
+        run.tokens.view(-1, rows, cols),
+        forward_passes=run.passes,
+        drafted_tokens=run.drafted,
+        accepted_tokens=run.accepted,
+    )
 
 
 def _set_up(backbone, drafter: MuLoDrafter, condition, sampling, generator, config) -> tuple[_MuLoSetup, MuLoProgress]:
@@ -199,13 +207,28 @@ def _set_up(backbone, drafter: MuLoDrafter, condition, sampling, generator, conf
     neighbours = latent_neighbours(backbone.codebook_latents(), config.k) if config.mode == "relaxed" else None
     # Exact mode keeps point proposals: a token copied r x r times is not an independent draw from q.
     use_drafter_q = config.mode == "relaxed" and config.proposal == "drafter" and not sampling.greedy
-    setup = _MuLoSetup(backbone, small, state, small_state, sampling, drafter_sampling, config, generator,
-                       drafter.config.scale, resample, latents, neighbours, use_drafter_q)
+    setup = _MuLoSetup(
+        backbone,
+        small,
+        state,
+        small_state,
+        sampling,
+        drafter_sampling,
+        config,
+        generator,
+        drafter.config.scale,
+        resample,
+        latents,
+        neighbours,
+        use_drafter_q,
+    )
     rows, cols, batch, device = backbone.geometry.rows, backbone.geometry.cols, condition.batch_size, first_state.device
     run = MuLoProgress(
         tokens=torch.empty(batch, rows * cols, dtype=torch.long, device=device),
         committed_low=torch.empty(batch, rows // setup.scale, small.geometry.cols, dtype=torch.long, device=device),
-        first_state=first_state, small_hidden=small_hidden)
+        first_state=first_state,
+        small_hidden=small_hidden,
+    )
     return setup, run
 
 
@@ -220,22 +243,38 @@ def _draft_block(setup: _MuLoSetup, run: MuLoProgress, index: int) -> MuLoBlock:
         if column + 1 < small.geometry.cols:
             run.small_hidden = small.step(setup.small_state, low_tokens[-1])
     low_row = torch.cat(low_tokens, dim=1)  # (B, cols / r)
-    tokens = upsample_block(low_row, run.committed_low[:, :index], small, setup.backbone, setup.scale,
-                            setup.config.upsample_mode, setup.resample, setup.latents).flatten(1)  # (B, r * cols)
+    tokens = upsample_block(
+        low_row,
+        run.committed_low[:, :index],
+        small,
+        setup.backbone,
+        setup.scale,
+        setup.config.upsample_mode,
+        setup.resample,
+        setup.latents,
+    ).flatten(1)  # (B, r * cols)
     q = block_proposals(low_row, torch.cat(low_q, dim=1), tokens, setup.scale) if setup.use_drafter_q else None
     batch, size = tokens.shape
     states = run.first_state.new_zeros(run.first_state.shape[0], size, run.first_state.shape[-1])
     states[:, 0] = run.first_state[:, 0]
-    return MuLoBlock(index, index * size, tokens, q, states, torch.zeros(batch, dtype=torch.long, device=tokens.device),
-                     torch.zeros(batch, size, dtype=torch.bool, device=tokens.device))
+    return MuLoBlock(
+        index,
+        index * size,
+        tokens,
+        q,
+        states,
+        torch.zeros(batch, dtype=torch.long, device=tokens.device),
+        torch.zeros(batch, size, dtype=torch.bool, device=tokens.device),
+    )
 
 
 def _pass(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step 3's pass over the block (after the committed tokens the cache lacks): (states, p (B, L, V), uniforms)."""
     size = block.tokens.shape[1]
     block.passes += 1
-    out = verification_pass(setup.backbone, setup.state, run.tokens, run.cache_valid, block.start, block.tokens,
-                            block.start + size)
+    out = verification_pass(
+        setup.backbone, setup.state, run.tokens, run.cache_valid, block.start, block.tokens, block.start + size
+    )
     run.passes += 1
     write_block_states(block.states, out, run.cache_valid, block.start, block.start + size)
     p = token_distribution(setup.backbone.scores(setup.state, block.states, setup.sampling.cfg_scale), setup.sampling)
@@ -277,8 +316,9 @@ def _verify_relaxed(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> b
     position = torch.arange(size, device=p.device)[None]
     if block.passes == 1:  # the drafts: relaxed test against q, rejections grown into islands
         q_of_draft = probability_of(block.q, block.tokens) if block.q is not None else None
-        passed = relaxed_accept(p, block.tokens, setup.neighbours, config.delta, setup.sampling.greedy, uniform,
-                                q_of_draft)
+        passed = relaxed_accept(
+            p, block.tokens, setup.neighbours, config.delta, setup.sampling.greedy, uniform, q_of_draft
+        )
         run.drafted += block.tokens.numel()
         run.accepted += int(passed.sum())
         redrawn = islands(~passed.view(len(passed), setup.scale, -1), config.radius).flatten(1)
@@ -312,8 +352,9 @@ def _commit_block(setup: _MuLoSetup, run: MuLoProgress, block: MuLoBlock) -> Non
     size = block.tokens.shape[1]
     run.tokens[:, block.start : block.start + size] = block.tokens
     small, scale = setup.small, setup.scale
-    accepted_low = downsample_to_drafter(block.tokens.view(len(block.tokens), scale, -1), setup.backbone, small,
-                                         scale, setup.resample, setup.latents)
+    accepted_low = downsample_to_drafter(
+        block.tokens.view(len(block.tokens), scale, -1), setup.backbone, small, scale, setup.resample, setup.latents
+    )
     run.committed_low[:, block.index] = accepted_low[:, 0]
     small.rollback(setup.small_state, block.index * small.geometry.cols)
     if block.index + 1 < run.committed_low.shape[1]:
@@ -324,5 +365,10 @@ def _generate(backbone, drafter, condition, sampling, generator, settings: MuLoD
     return generate_mulo(backbone, drafter, condition, sampling, generator, settings)
 
 
-METHOD = MethodSpec(generate=_generate, settings=MuLoDecodeConfig, artefact="drafter", artefact_kind="mulo",
-                    lossless=lambda settings: settings.mode == "exact")
+METHOD = MethodSpec(
+    generate=_generate,
+    settings=MuLoDecodeConfig,
+    artefact="drafter",
+    artefact_kind="mulo",
+    lossless=lambda settings: settings.mode == "exact",
+)

@@ -40,9 +40,11 @@ def resampling_latents(backbone: ARImageBackbone) -> torch.Tensor:
     try:
         return backbone.codebook_latents().float()
     except NotImplementedError as error:
-        warnings.warn(f"{backbone.name}: no codebook latents ({error}); the MuLo latent resampler falls back to the "
-                      "backbone's input embeddings of the image tokens. Provide the codebook for the real geometry.",
-                      stacklevel=2)
+        warnings.warn(
+            f"{backbone.name}: no codebook latents ({error}); the MuLo latent resampler falls back to the "
+            "backbone's input embeddings of the image tokens. Provide the codebook for the real geometry.",
+            stacklevel=2,
+        )
         ids = torch.arange(backbone.codebook_size, device=backbone._device())
         with torch.no_grad():
             return backbone.embed_image_tokens(ids).float()
@@ -71,8 +73,14 @@ def downsample_latents(tokens: torch.Tensor, codebook: torch.Tensor, scale: int)
     return nearest_codebook_entry(F.avg_pool2d(grid, scale), codebook)
 
 
-def downsample_to_drafter(tokens: torch.Tensor, backbone: ARImageBackbone, drafter: ARImageBackbone, scale: int,
-                          resample: str = "pixels", latents: torch.Tensor | None = None) -> torch.Tensor:
+def downsample_to_drafter(
+    tokens: torch.Tensor,
+    backbone: ARImageBackbone,
+    drafter: ARImageBackbone,
+    scale: int,
+    resample: str = "pixels",
+    latents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Backbone tokens (B, rows, cols) -> drafter tokens (B, rows/r, cols/r) (area average).
 
     ``pixels`` goes through the backbone's decoder and the drafter's encoder;
@@ -84,9 +92,15 @@ def downsample_to_drafter(tokens: torch.Tensor, backbone: ARImageBackbone, draft
     return drafter.pixels_to_tokens(F.avg_pool2d(pixels, scale))
 
 
-def upsample_to_backbone(tokens: torch.Tensor, drafter: ARImageBackbone, backbone: ARImageBackbone, scale: int,
-                         mode: str = "nearest", resample: str = "pixels",
-                         latents: torch.Tensor | None = None) -> torch.Tensor:
+def upsample_to_backbone(
+    tokens: torch.Tensor,
+    drafter: ARImageBackbone,
+    backbone: ARImageBackbone,
+    scale: int,
+    mode: str = "nearest",
+    resample: str = "pixels",
+    latents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The training-free upsampler U_r: drafter tokens (B, h, w) -> backbone tokens (B, h*r, w*r).
 
     ``pixels``: decode, interpolate by r (`mode`), re-encode; ``latents``: see `upsample_latents`.
@@ -96,14 +110,22 @@ def upsample_to_backbone(tokens: torch.Tensor, drafter: ARImageBackbone, backbon
             return upsample_latents(tokens, None, scale)  # no codebook needed to repeat ids
         return upsample_latents(tokens, resampling_latents(backbone) if latents is None else latents, scale, mode)
     pixels = drafter.tokens_to_pixels(tokens)
-    upsampled = F.interpolate(pixels, scale_factor=scale, mode=mode,
-                              **({} if mode == "nearest" else {"align_corners": False}))
+    upsampled = F.interpolate(
+        pixels, scale_factor=scale, mode=mode, **({} if mode == "nearest" else {"align_corners": False})
+    )
     return backbone.pixels_to_tokens(upsampled.clamp(0, 1))
 
 
-def upsample_block(low_row: torch.Tensor, committed_above: torch.Tensor, drafter: ARImageBackbone,
-                   backbone: ARImageBackbone, scale: int, mode: str = "nearest", resample: str = "pixels",
-                   latents: torch.Tensor | None = None) -> torch.Tensor:
+def upsample_block(
+    low_row: torch.Tensor,
+    committed_above: torch.Tensor,
+    drafter: ARImageBackbone,
+    backbone: ARImageBackbone,
+    scale: int,
+    mode: str = "nearest",
+    resample: str = "pixels",
+    latents: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A drafted low-res row (B, w) -> its r backbone rows (B, r, w * r).
 
     Interpolating modes upsample it under the committed low-res rows above
@@ -111,7 +133,7 @@ def upsample_block(low_row: torch.Tensor, committed_above: torch.Tensor, drafter
     top rows blend into the image above; below, the row's edge is replicated.
     """
     context = 0 if mode == "nearest" else 2
-    strip = torch.cat([committed_above[:, max(0, committed_above.shape[1] - context):], low_row[:, None]], dim=1)
+    strip = torch.cat([committed_above[:, max(0, committed_above.shape[1] - context) :], low_row[:, None]], dim=1)
     return upsample_to_backbone(strip, drafter, backbone, scale, mode, resample, latents)[:, -scale:]
 
 
@@ -121,8 +143,9 @@ def _repeat_cells(low_row: torch.Tensor, scale: int) -> torch.Tensor:
     return wide[:, None].expand(-1, scale, *wide.shape[1:]).flatten(1, 2)
 
 
-def block_proposals(low_tokens: torch.Tensor, low_q: torch.Tensor, block_tokens: torch.Tensor,
-                    scale: int) -> torch.Tensor:
+def block_proposals(
+    low_tokens: torch.Tensor, low_q: torch.Tensor, block_tokens: torch.Tensor, scale: int
+) -> torch.Tensor:
     """The proposal distribution q (B, r * cols, V) of each draft of a block.
 
     A backbone position whose draft is the token of the low-res cell it lies in

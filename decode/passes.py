@@ -15,9 +15,16 @@ import torch
 from backbones.base import ARImageBackbone, DecodeState
 
 
-def verification_pass(backbone: ARImageBackbone, state: DecodeState, tokens: torch.Tensor, start: int,
-                      block_start: int, drafts: torch.Tensor, feed_end: int,
-                      extra: torch.Tensor | None = None) -> torch.Tensor:
+def verification_pass(
+    backbone: ARImageBackbone,
+    state: DecodeState,
+    tokens: torch.Tensor,
+    start: int,
+    block_start: int,
+    drafts: torch.Tensor,
+    feed_end: int,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Feed grid positions ``[start, feed_end)`` (plus `extra` tokens after them) through the cache.
 
     tokens (B, N): the image so far, read for the committed positions
@@ -32,8 +39,9 @@ def verification_pass(backbone: ARImageBackbone, state: DecodeState, tokens: tor
     return backbone.step(state, torch.cat(feed, dim=1))
 
 
-def write_block_states(block_states: torch.Tensor, out: torch.Tensor, start: int, block_start: int,
-                       feed_end: int) -> tuple[int, int]:
+def write_block_states(
+    block_states: torch.Tensor, out: torch.Tensor, start: int, block_start: int, feed_end: int
+) -> tuple[int, int]:
     """Copy a pass's states into the block's (rows, L, H), in place; return the block positions they cover.
 
     A pass that fed ``[start, feed_end)`` gives the states of positions

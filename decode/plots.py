@@ -44,16 +44,24 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
             x, y = figures["speedup_vs_ar"], figures["quality"][metric]
             marker = "s" if name.startswith("ar") else ("o" if name.startswith("ssd") else "^")
             axis.scatter(x, y, marker=marker, s=40)
-            axis.annotate(f"{name}\n{figures['forward_passes_per_image']:.0f} passes", (x, y), fontsize=7,
-                          xytext=(4, 4), textcoords="offset points")
+            axis.annotate(
+                f"{name}\n{figures['forward_passes_per_image']:.0f} passes",
+                (x, y),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
         axis.set_xscale("log")
         axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
         axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_xlabel("wall-clock speedup vs KV-cached AR (log)")
         axis.set_ylabel(METRIC_LABELS[metric])
         axis.grid(alpha=0.3)
-    figure.suptitle(f"batch {report['batch_size']}, {report['num_images']} images, "
-                    f"CFG {report['sampling']['cfg_scale']}, {report['device']}", fontsize=9)
+    figure.suptitle(
+        f"batch {report['batch_size']}, {report['num_images']} images, "
+        f"CFG {report['sampling']['cfg_scale']}, {report['device']}",
+        fontsize=9,
+    )
     figure.tight_layout()
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=110)

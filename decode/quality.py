@@ -34,11 +34,16 @@ class DigitsClassifier(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.GELU(),
-            nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.GELU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.GELU(),
-            nn.Conv2d(64, self.feature_dim, 3, stride=2, padding=1), nn.GELU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(32, 32, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.GELU(),
+            nn.Conv2d(64, self.feature_dim, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.classify = nn.Linear(self.feature_dim, NUM_CLASSES)
 
@@ -63,7 +68,8 @@ def load_classifier(directory: str | Path, grid_size: int, levels: int) -> tuple
         raise FileNotFoundError(
             f"no digits classifier (version {CLASSIFIER_VERSION}) for a {grid_size}x{grid_size} grid with {levels} "
             f"levels in {folder}; train one (about a minute on 2 cores): python -m train.digits_classifier "
-            f"--grid-size {grid_size} --levels {levels} --out {Path(directory)}")
+            f"--grid-size {grid_size} --levels {levels} --out {Path(directory)}"
+        )
     model = DigitsClassifier()
     model.load_state_dict(load_file(folder / WEIGHTS_FILE))
     reference = {k: v.double().numpy() for k, v in load_file(folder / REFERENCE_FILE).items()}

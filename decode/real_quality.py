@@ -62,8 +62,10 @@ def inception_weights_path(configured: str | Path | None) -> Path:
 
 
 def _clip_help(path: str | Path) -> str:
-    return (f"Download a CLIP model with\n  huggingface-cli download {CLIP_DEFAULT} --local-dir <dir>\n"
-            f"and set decode.quality.clip=<dir> (or decode.quality.clip=null to skip the CLIP score); got {path}")
+    return (
+        f"Download a CLIP model with\n  huggingface-cli download {CLIP_DEFAULT} --local-dir <dir>\n"
+        f"and set decode.quality.clip=<dir> (or decode.quality.clip=null to skip the CLIP score); got {path}"
+    )
 
 
 class CLIPFeatures(nn.Module):
@@ -103,7 +105,9 @@ def load_clip(path: str | Path) -> tuple[CLIPFeatures, object]:
         model = CLIPModel.from_pretrained(directory, local_files_only=True)
         processor = CLIPProcessor.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as error:
-        raise QualitySetupError(f"could not load the CLIP model at {directory} ({error}). " + _clip_help(path)) from error
+        raise QualitySetupError(
+            f"could not load the CLIP model at {directory} ({error}). " + _clip_help(path)
+        ) from error
     return CLIPFeatures(model.eval().requires_grad_(False)), processor
 
 
@@ -111,13 +115,16 @@ def reference_image_files(directory: str | Path, limit: int | None = None) -> li
     """The image files (png/jpg/jpeg/webp/bmp) under `directory`, recursively, sorted, at most `limit`."""
     root = Path(directory)
     if not root.is_dir():
-        raise QualitySetupError(f"FID reference folder {root} does not exist; set decode.quality.reference_dir to a "
-                                "folder of real images (e.g. ImageNet val for LlamaGen, COCO val for text-to-image), "
-                                "or decode.quality.reference_dir=null to skip FID")
+        raise QualitySetupError(
+            f"FID reference folder {root} does not exist; set decode.quality.reference_dir to a "
+            "folder of real images (e.g. ImageNet val for LlamaGen, COCO val for text-to-image), "
+            "or decode.quality.reference_dir=null to skip FID"
+        )
     files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if len(files) < 2:
-        raise QualitySetupError(f"FID needs at least 2 reference images, found {len(files)} in {root} "
-                                f"(suffixes {sorted(IMAGE_SUFFIXES)})")
+        raise QualitySetupError(
+            f"FID needs at least 2 reference images, found {len(files)} in {root} (suffixes {sorted(IMAGE_SUFFIXES)})"
+        )
     return files[:limit] if limit else files
 
 
@@ -153,9 +160,16 @@ class RealQuality:
     (when the generated resolution is known), and reused for every method.
     """
 
-    def __init__(self, reference_dir: str | Path | None = None, fid_features: nn.Module | str | None = "inception",
-                 fid_weights: str | Path | None = None, clip: str | Path | None = None,
-                 max_reference_images: int | None = None, batch_size: int = 32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        reference_dir: str | Path | None = None,
+        fid_features: nn.Module | str | None = "inception",
+        fid_weights: str | Path | None = None,
+        clip: str | Path | None = None,
+        max_reference_images: int | None = None,
+        batch_size: int = 32,
+        device: str | torch.device = "cpu",
+    ):
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.fid = self.clip = None
@@ -168,17 +182,23 @@ class RealQuality:
             try:
                 from torchmetrics.image.fid import FrechetInceptionDistance
             except ImportError as error:  # torch-fidelity installed without torchvision breaks this import
-                raise QualitySetupError(f"torchmetrics' FID cannot be imported ({error}); pip install torch-fidelity "
-                                        "torchvision, or pip uninstall torch-fidelity to use your own features") from error
+                raise QualitySetupError(
+                    f"torchmetrics' FID cannot be imported ({error}); pip install torch-fidelity "
+                    "torchvision, or pip uninstall torch-fidelity to use your own features"
+                ) from error
             if inception:
-                self.fid = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False,
-                                                    feature_extractor_weights_path=str(weights))
+                self.fid = FrechetInceptionDistance(
+                    feature=2048, normalize=True, reset_real_features=False, feature_extractor_weights_path=str(weights)
+                )
             elif isinstance(fid_features, nn.Module):
                 fid_features = fid_features.eval().requires_grad_(False)
-                self.fid = FrechetInceptionDistance(feature=fid_features, normalize=True, reset_real_features=False,
-                                                    input_img_size=(3, 64, 64))
+                self.fid = FrechetInceptionDistance(
+                    feature=fid_features, normalize=True, reset_real_features=False, input_img_size=(3, 64, 64)
+                )
             else:
-                raise ValueError(f"decode.quality.fid_features must be 'inception' or an nn.Module, got {fid_features!r}")
+                raise ValueError(
+                    f"decode.quality.fid_features must be 'inception' or an nn.Module, got {fid_features!r}"
+                )
             self.fid = self.fid.to(self.device)
         if clip is not None:
             from torchmetrics.multimodal.clip_score import CLIPScore
@@ -202,8 +222,13 @@ class RealQuality:
             chunk = load_reference_images(self.reference_files[start : start + self.batch_size], height, width)
             self.fid.update(chunk.to(self.device), real=True)
         self._reference_size = (height, width)
-        log.info("FID reference: %d images from %s at %dx%d", len(self.reference_files),
-                 self.reference_files[0].parent, height, width)
+        log.info(
+            "FID reference: %d images from %s at %dx%d",
+            len(self.reference_files),
+            self.reference_files[0].parent,
+            height,
+            width,
+        )
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: list[str] | None = None) -> dict:
@@ -227,7 +252,9 @@ class RealQuality:
             self.clip.reset()
             pixels = (images * 255).round().to(torch.uint8)  # CLIP's processor rescales from [0, 255]
             for start in range(0, len(images), self.batch_size):
-                self.clip.update(list(pixels[start : start + self.batch_size].to(self.device)),
-                                 prompts[start : start + self.batch_size])
+                self.clip.update(
+                    list(pixels[start : start + self.batch_size].to(self.device)),
+                    prompts[start : start + self.batch_size],
+                )
             result["clip_score"] = float(self.clip.compute())
         return result

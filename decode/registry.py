@@ -47,8 +47,13 @@ class Method:
     artefact_path: str | None = None
     artefact: Any = None
 
-    def generate(self, backbone: ARImageBackbone, condition: Condition, sampling: SamplingConfig,
-                 generator: torch.Generator | None) -> GenerationResult:
+    def generate(
+        self,
+        backbone: ARImageBackbone,
+        condition: Condition,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> GenerationResult:
         return self.spec.generate(backbone, self.artefact, condition, sampling, generator, self.settings)
 
     @property
@@ -57,16 +62,21 @@ class Method:
 
     def describe(self) -> dict:
         """What metrics.json records of the method: its generator, whether it is lossless, every setting."""
-        return {"generator": self.generator, "lossless": self.lossless, "settings": vars(self.settings),
-                **({self.spec.artefact: self.artefact_path} if self.spec.artefact else {})}
+        return {
+            "generator": self.generator,
+            "lossless": self.lossless,
+            "settings": vars(self.settings),
+            **({self.spec.artefact: self.artefact_path} if self.spec.artefact else {}),
+        }
 
 
 def chosen_names(decode_cfg: DictConfig) -> list[str]:
     """`decode.methods` as a list of preset names, the baseline first (added when missing), duplicates dropped."""
     names = decode_cfg.methods
     if isinstance(names, str) or not isinstance(names, (list, ListConfig)):
-        raise ValueError(f"decode.methods must be a list of preset names, e.g. decode.methods=[ar,ssd_exact]; "
-                         f"got {names!r}")
+        raise ValueError(
+            f"decode.methods must be a list of preset names, e.g. decode.methods=[ar,ssd_exact]; got {names!r}"
+        )
     names = [str(name) for name in dict.fromkeys(names)]
     if BASELINE not in names:
         log.info("adding the KV-cached baseline %r: every speedup is measured against it in the same run", BASELINE)
@@ -82,9 +92,11 @@ def check_methods(decode_cfg: DictConfig) -> list[Method]:
     methods = []
     for name in chosen_names(decode_cfg):
         if name not in presets:
-            raise ValueError(f"unknown decode method {name!r}; the presets are {', '.join(sorted(presets))} "
-                             f"(conf/method/). A variant of one is a new preset: +method@decode.presets.{name}=<preset> "
-                             f"and decode.presets.{name}.<setting>=VALUE; several seeds: decode.seeds=N")
+            raise ValueError(
+                f"unknown decode method {name!r}; the presets are {', '.join(sorted(presets))} "
+                f"(conf/method/). A variant of one is a new preset: +method@decode.presets.{name}=<preset> "
+                f"and decode.presets.{name}.<setting>=VALUE; several seeds: decode.seeds=N"
+            )
         methods.append(_checked_method(name, presets[name]))
     return methods
 

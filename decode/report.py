@@ -25,19 +25,36 @@ def summary_table(report: dict) -> str:
     methods = report["methods"]
     metrics = [m for m in QUALITY_NAMES if all(m in (f.get("quality") or {}) for f in methods.values())]
     seeds = report.get("seeds", [report.get("seed")])
-    header = ["method", "lossless", "passes/image", "tokens/pass", "s/image (batches p10-p90)",
-              "speedup (batches p10-p90)"] + [QUALITY_NAMES[m] for m in metrics]
-    lines = [f"batch {report['batch_size']}, {report['num_images']} images x {len(seeds)} seed(s) {seeds}, "
-             f"CFG {report['sampling']['cfg_scale']}, {report['device']}, methods interleaved batch by batch",
-             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = [
+        "method",
+        "lossless",
+        "passes/image",
+        "tokens/pass",
+        "s/image (batches p10-p90)",
+        "speedup (batches p10-p90)",
+    ] + [QUALITY_NAMES[m] for m in metrics]
+    lines = [
+        f"batch {report['batch_size']}, {report['num_images']} images x {len(seeds)} seed(s) {seeds}, "
+        f"CFG {report['sampling']['cfg_scale']}, {report['device']}, methods interleaved batch by batch",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for name, f in methods.items():
         time_spread, speed_spread = f["seconds_per_image_spread"], f["speedup_vs_ar_spread"]
-        tokens_per_pass = report["backbone"]["geometry"]["rows"] * report["backbone"]["geometry"]["cols"] / \
-            f["forward_passes_per_image"]
-        cells = [name, "yes" if f.get("lossless") else "no", f"{f['forward_passes_per_image']:.1f}",
-                 f"{tokens_per_pass:.1f}",
-                 f"{f['seconds_per_image']:.3f} ({time_spread['p10']:.3f}-{time_spread['p90']:.3f})",
-                 f"{f['speedup_vs_ar']:.2f}x ({speed_spread['p10']:.2f}-{speed_spread['p90']:.2f})"]
+        tokens_per_pass = (
+            report["backbone"]["geometry"]["rows"]
+            * report["backbone"]["geometry"]["cols"]
+            / f["forward_passes_per_image"]
+        )
+        cells = [
+            name,
+            "yes" if f.get("lossless") else "no",
+            f"{f['forward_passes_per_image']:.1f}",
+            f"{tokens_per_pass:.1f}",
+            f"{f['seconds_per_image']:.3f} ({time_spread['p10']:.3f}-{time_spread['p90']:.3f})",
+            f"{f['speedup_vs_ar']:.2f}x ({speed_spread['p10']:.2f}-{speed_spread['p90']:.2f})",
+        ]
         band = band_of(f) or {}
         for metric in metrics:
             low, high = band[metric]

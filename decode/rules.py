@@ -65,8 +65,9 @@ def point_residual(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return residual_distribution(p, F.one_hot(tokens, p.shape[-1]).to(p.dtype))
 
 
-def autocorrect_distributions(p: torch.Tensor, q: torch.Tensor, resample: torch.Tensor, first_rejected: torch.Tensor,
-                              everywhere_residual: bool) -> torch.Tensor:
+def autocorrect_distributions(
+    p: torch.Tensor, q: torch.Tensor, resample: torch.Tensor, first_rejected: torch.Tensor, everywhere_residual: bool
+) -> torch.Tensor:
     """SSD's parallel auto-correction: what each rejected position of a row is redrawn from, in the same pass.
 
     p, q (B, C, V); resample (B, C) the positions to redraw; first_rejected (B,)
@@ -92,7 +93,9 @@ def latent_neighbours(latents: torch.Tensor, k: int) -> torch.Tensor:
     return distances.topk(k, dim=-1, largest=False).indices
 
 
-def pooled_neighbour_mass(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float) -> torch.Tensor:
+def pooled_neighbour_mass(
+    p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float
+) -> torch.Tensor:
     """LANTERN's ``c_m``: the largest prefix sum of p over x's nearest neighbours that stays <= delta.
 
     Image tokens whose codebook latents are close look alike, so a draft may
@@ -106,8 +109,15 @@ def pooled_neighbour_mass(p: torch.Tensor, tokens: torch.Tensor, neighbours: tor
     return torch.where(prefix <= delta, prefix, torch.zeros_like(prefix)).amax(-1)
 
 
-def relaxed_accept(p: torch.Tensor, tokens: torch.Tensor, neighbours: torch.Tensor, delta: float, greedy: bool,
-                   uniform: torch.Tensor, q_of_tokens: torch.Tensor | None = None) -> torch.Tensor:
+def relaxed_accept(
+    p: torch.Tensor,
+    tokens: torch.Tensor,
+    neighbours: torch.Tensor,
+    delta: float,
+    greedy: bool,
+    uniform: torch.Tensor,
+    q_of_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Which drafts pass LANTERN's relaxed test: p (..., V), tokens (...), uniform (...) -> bool (...).
 
     Accepts with probability ``min(1, (p(x) + c_m) / q(x))``; `q_of_tokens` (...)
@@ -133,8 +143,9 @@ def islands(rejected: torch.Tensor, radius: int) -> torch.Tensor:
     return grown > 0
 
 
-def island_redraw_distributions(p: torch.Tensor, q: torch.Tensor | None, passed: torch.Tensor,
-                                redrawn: torch.Tensor) -> torch.Tensor:
+def island_redraw_distributions(
+    p: torch.Tensor, q: torch.Tensor | None, passed: torch.Tensor, redrawn: torch.Tensor
+) -> torch.Tensor:
     """What MuLo-SD redraws each island cell from: p (B, L, V), q (B, L, V) or None (point proposals),
     passed / redrawn (B, L) -> (k, V) for the k redrawn cells.
 

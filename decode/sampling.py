@@ -79,7 +79,9 @@ def sample_with(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return (cumulative <= threshold).sum(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def sample_tokens(scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_tokens(
+    scores: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Scores (..., V) -> tokens (...), by the sampling settings."""
     if sampling.greedy:
         return scores.argmax(-1)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 
 def settings_from(cls: type, values: Mapping[str, Any], where: str):
@@ -23,8 +24,10 @@ def settings_from(cls: type, values: Mapping[str, Any], where: str):
     known = [field.name for field in fields(cls)]
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ValueError(f"{where}: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                         f"the settings are {', '.join(known) or 'none'}")
+        raise ValueError(
+            f"{where}: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+            f"the settings are {', '.join(known) or 'none'}"
+        )
     checked = {key: checked_value(value, hints[key], f"{where}.{key}") for key, value in values.items()}
     try:
         return cls(**checked)

@@ -119,18 +119,24 @@ class SSDDecodeConfig:
         if self.correction not in ("target", "residual", "prefix"):
             raise ValueError(f"SSD correction must be 'target', 'residual' or 'prefix', got {self.correction!r}")
         if min(self.rounds, self.horizontal_steps, self.window, self.grid_steps) < 0:
-            raise ValueError(f"SSD rounds, horizontal_steps, window and grid_steps must be >= 0, got {self.rounds}, "
-                             f"{self.horizontal_steps}, {self.window}, {self.grid_steps}")
+            raise ValueError(
+                f"SSD rounds, horizontal_steps, window and grid_steps must be >= 0, got {self.rounds}, "
+                f"{self.horizontal_steps}, {self.window}, {self.grid_steps}"
+            )
         if not 0 <= self.lookahead_confidence <= 1:
             raise ValueError(f"SSD lookahead_confidence must be in [0, 1], got {self.lookahead_confidence}")
         if self.lookahead and (self.window or (self.mode == "autocorrect" and self.correction != "prefix")):
-            raise ValueError("decode.ssd.lookahead needs window 0 and mode exact or correction prefix (it extends a "
-                             "pass that reaches the row's end)")
+            raise ValueError(
+                "decode.ssd.lookahead needs window 0 and mode exact or correction prefix (it extends a "
+                "pass that reaches the row's end)"
+            )
         if self.relax_k < 0 or self.relax_delta < 0:
             raise ValueError(f"SSD relax_k and relax_delta must be >= 0, got {self.relax_k}, {self.relax_delta}")
         if self.window and self.mode == "autocorrect" and self.correction != "prefix":
-            raise ValueError("decode.ssd.window works with mode exact or correction prefix; set it to 0 for "
-                             f"correction {self.correction!r}")
+            raise ValueError(
+                "decode.ssd.window works with mode exact or correction prefix; set it to 0 for "
+                f"correction {self.correction!r}"
+            )
 
 
 @dataclass
@@ -190,8 +196,11 @@ def generate_ssd(
     state, first_state = backbone.prefill(condition, sampling.guided)  # (G, 1, H) predicts token 0
     drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config, first_state.device)
     batch, device = condition.batch_size, first_state.device
-    run = SSDProgress(tokens=torch.empty(batch, rows * cols, dtype=torch.long, device=device),
-                      first_state=first_state, first_exact=torch.ones(batch, dtype=torch.bool, device=device))
+    run = SSDProgress(
+        tokens=torch.empty(batch, rows * cols, dtype=torch.long, device=device),
+        first_state=first_state,
+        first_exact=torch.ones(batch, dtype=torch.bool, device=device),
+    )
     relaxed = config.relax_k > 0 and config.relax_delta > 0 and not sampling.greedy
     neighbours = latent_neighbours(backbone.codebook_latents().to(device), config.relax_k) if relaxed else None
     for index in range(rows):
@@ -199,8 +208,12 @@ def generate_ssd(
         while not _verify(run, row, drafter, config, state, neighbours):  # step 3: pass, test, correct
             pass
         _finish_row(run, row, config)
-    return GenerationResult(run.tokens.view(batch, rows, cols), forward_passes=run.passes, drafted_tokens=run.drafted,
-                            accepted_tokens=run.accepted)
+    return GenerationResult(
+        run.tokens.view(batch, rows, cols),
+        forward_passes=run.passes,
+        drafted_tokens=run.drafted,
+        accepted_tokens=run.accepted,
+    )
 
 
 def _start_row(run: SSDProgress, drafter: SSDRowDrafter, config: SSDDecodeConfig, index: int) -> SSDRow:
@@ -213,10 +226,13 @@ def _start_row(run: SSDProgress, drafter: SSDRowDrafter, config: SSDDecodeConfig
         drafts, handed_over = run.handed_over
         run.handed_over = None
     else:
-        drafts = drafter.draft_row(index, run.first_state, hidden_above, tokens_above, above_prepared,
-                                   keep_states=config.lookahead)
+        drafts = drafter.draft_row(
+            index, run.first_state, hidden_above, tokens_above, above_prepared, keep_states=config.lookahead
+        )
     # A row handed over has its first token drafted too; otherwise the first token is final where its state was.
-    committed = torch.zeros_like(run.first_exact, dtype=torch.long) if handed_over is not None else run.first_exact.long()
+    committed = (
+        torch.zeros_like(run.first_exact, dtype=torch.long) if handed_over is not None else run.first_exact.long()
+    )
     template = run.first_state if run.first_state is not None else hidden_above  # dtype, device, hidden size
     states = template.new_zeros(template.shape[0], cols, template.shape[-1])
     if run.first_state is not None:
@@ -224,8 +240,14 @@ def _start_row(run: SSDProgress, drafter: SSDRowDrafter, config: SSDDecodeConfig
     return SSDRow(index, index * cols, drafts, states, committed, above_prepared, handed_over)
 
 
-def _verify(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, state: DecodeState,
-            neighbours: torch.Tensor | None) -> bool:
+def _verify(
+    run: SSDProgress,
+    row: SSDRow,
+    drafter: SSDRowDrafter,
+    config: SSDDecodeConfig,
+    state: DecodeState,
+    neighbours: torch.Tensor | None,
+) -> bool:
     """One verification pass over the row and its verdict; True when the row is done."""
     out, start, feed_end, next_row = _feed(run, row, drafter, config, state)
     row.passes += 1
@@ -256,11 +278,23 @@ def _feed(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDeco
         feed_end = min(feed_end, row.start + int(row.committed.min()) + config.window)
     next_row = None
     last_row = row.index == run.tokens.shape[1] // cols - 1
-    if (config.lookahead and not last_row and feed_end == row.start + cols
-            and drafter.lookahead_now(row.drafts, row.committed)):
+    if (
+        config.lookahead
+        and not last_row
+        and feed_end == row.start + cols
+        and drafter.lookahead_now(row.drafts, row.committed)
+    ):
         next_row = drafter.draft_next_row(row.index, row.states, row.drafts, row.committed)
-    out = verification_pass(drafter.backbone, state, run.tokens, start, row.start, row.drafts.tokens, feed_end,
-                            extra=next_row.tokens if next_row is not None else None)
+    out = verification_pass(
+        drafter.backbone,
+        state,
+        run.tokens,
+        start,
+        row.start,
+        row.drafts.tokens,
+        feed_end,
+        extra=next_row.tokens if next_row is not None else None,
+    )
     run.passes += 1
     return out, start, feed_end, next_row
 
@@ -280,8 +314,16 @@ def _test_drafts(row: SSDRow, drafter: SSDRowDrafter, extent: int, neighbours: t
     return _Verdict(passed, first_true(~passed, cols), is_committed, row.committed < cols, extent, p)
 
 
-def _commit_prefix(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, verdict: _Verdict,
-                   next_row: DraftedRow | None, out: torch.Tensor, start: int) -> bool:
+def _commit_prefix(
+    run: SSDProgress,
+    row: SSDRow,
+    drafter: SSDRowDrafter,
+    config: SSDDecodeConfig,
+    verdict: _Verdict,
+    next_row: DraftedRow | None,
+    out: torch.Tensor,
+    start: int,
+) -> bool:
     """Exact speculative sampling (and autocorrect's ``prefix``): keep each image's accepted prefix, draw its first
     rejection from the residual, re-draft what follows. True when the row is done."""
     cols, first_rejected, extent = drafter.cols, verdict.first_rejected, verdict.extent
@@ -309,8 +351,9 @@ def _commit_prefix(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config
     return budget_spent
 
 
-def _autocorrect_in_parallel(run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig,
-                             verdict: _Verdict) -> bool:
+def _autocorrect_in_parallel(
+    run: SSDProgress, row: SSDRow, drafter: SSDRowDrafter, config: SSDDecodeConfig, verdict: _Verdict
+) -> bool:
     """Autocorrect's ``target`` and ``residual``: resample every rejected position of the row in this pass, then
     re-verify the corrected row (at most ``rounds`` more passes). True when the row is done."""
     passed, cols = verdict.passed, drafter.cols
@@ -318,8 +361,13 @@ def _autocorrect_in_parallel(run: SSDProgress, row: SSDRow, drafter: SSDRowDraft
     run.accepted += int((passed & ~verdict.is_committed & verdict.open_images[:, None]).sum())
     resample = ~passed & still_open[:, None]  # (B, C)
     if resample.any():
-        corrections = autocorrect_distributions(verdict.p, row.drafts.q, resample, verdict.first_rejected,
-                                                everywhere_residual=config.correction == "residual")
+        corrections = autocorrect_distributions(
+            verdict.p,
+            row.drafts.q,
+            resample,
+            verdict.first_rejected,
+            everywhere_residual=config.correction == "residual",
+        )
         row.drafts.tokens[resample] = drafter.sample(corrections)
         row.drafts.q[resample] = corrections
     # Left of its first rejection an image's tokens passed against their final context: final.
@@ -357,5 +405,6 @@ def _lossless(settings: SSDDecodeConfig) -> bool:
     return settings.mode == "exact" and not (settings.relax_k and settings.relax_delta)
 
 
-METHOD = MethodSpec(generate=_generate, settings=SSDDecodeConfig, artefact="heads", artefact_kind="ssd",
-                    lossless=_lossless)
+METHOD = MethodSpec(
+    generate=_generate, settings=SSDDecodeConfig, artefact="heads", artefact_kind="ssd", lossless=_lossless
+)

@@ -19,8 +19,8 @@ stands (`draft_next_row`, `lookahead_now`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -45,16 +45,35 @@ class SSDRowDrafter:
     `G` below is the number of cache rows: ``2 * B`` under guidance ([cond; uncond]), else ``B``.
     """
 
-    def __init__(self, backbone: ARImageBackbone, heads: SSDHeads, state: DecodeState, sampling: SamplingConfig,
-                 generator: torch.Generator | None, config, device: torch.device):
-        self.backbone, self.heads, self.state, self.sampling, self.generator = backbone, heads, state, sampling, generator
+    def __init__(
+        self,
+        backbone: ARImageBackbone,
+        heads: SSDHeads,
+        state: DecodeState,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+        config,
+        device: torch.device,
+    ):
+        self.backbone, self.heads, self.state, self.sampling, self.generator = (
+            backbone,
+            heads,
+            state,
+            sampling,
+            generator,
+        )
         self.config, self.cols = config, backbone.geometry.cols
         self.twins = 2 if state.guided else 1
         grid = getattr(heads, "grid", None)
         self.has_grid = grid is not None
         # The grid head's share of every possible left token, looked up per drafted token (see prepare_left_tokens).
-        self.left_token_share = None if grid is None else grid.prepare_left_tokens(
-            backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=device)))
+        self.left_token_share = (
+            None
+            if grid is None
+            else grid.prepare_left_tokens(
+                backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=device))
+            )
+        )
         self.grid_step = None if grid is None else grid.drafting_step()
         self.draft_scores = backbone.draft_scorer(state, sampling.cfg_scale)
         # Grid re-drafts stop after `grid_steps`, and after `window` (a pass verifies no further; drafts beyond
@@ -86,7 +105,9 @@ class SSDRowDrafter:
 
     # ---- whole rows ----------------------------------------------------------------------------------
 
-    def prepare_above(self, hidden_above: torch.Tensor | None, tokens_above: torch.Tensor | None) -> torch.Tensor | None:
+    def prepare_above(
+        self, hidden_above: torch.Tensor | None, tokens_above: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """The grid head's share of the row above, once per row: (G, C, H), (B, C) -> (G, C, width); None
         without a grid head or above row 0 (then rows are drafted vertically and horizontally)."""
         if not self.has_grid or hidden_above is None:
@@ -99,8 +120,9 @@ class SSDRowDrafter:
         q = self.draft_distribution(states)
         return DraftedRow(self.sample(q), q, states)
 
-    def draft_row(self, row: int, first_state: torch.Tensor | None, hidden_above, tokens_above, above_prepared,
-                  keep_states: bool) -> DraftedRow:
+    def draft_row(
+        self, row: int, first_state: torch.Tensor | None, hidden_above, tokens_above, above_prepared, keep_states: bool
+    ) -> DraftedRow:
         """A row's first token from the backbone where its state `first_state` (G, 1, H) is known, drafts for the rest.
 
         `first_state` is None when the row above ended unfed (window): its vertical draft stands. With
@@ -108,8 +130,10 @@ class SSDRowDrafter:
         """
         template = first_state if first_state is not None else hidden_above  # dtype, device, hidden size
         batch, device = self.state.batch_size, template.device
-        drafted = DraftedRow(torch.empty(batch, self.cols, dtype=torch.long, device=device),
-                             torch.zeros(batch, self.cols, self.backbone.codebook_size, device=device))
+        drafted = DraftedRow(
+            torch.empty(batch, self.cols, dtype=torch.long, device=device),
+            torch.zeros(batch, self.cols, self.backbone.codebook_size, device=device),
+        )
         if keep_states:
             drafted.predicted = template.new_zeros(self.state.cache_rows, self.cols, template.shape[-1])
         if row > 0:
@@ -131,8 +155,16 @@ class SSDRowDrafter:
         every_image = torch.arange(drafted.tokens.shape[0], device=drafted.tokens.device)
         self.redraft(drafted, row, every_image, torch.zeros_like(every_image), first_state, above_prepared)
 
-    def redraft(self, drafted: DraftedRow, row: int, images: torch.Tensor, positions: torch.Tensor,
-                exact_state: torch.Tensor, above_prepared, to_end: bool = False) -> None:
+    def redraft(
+        self,
+        drafted: DraftedRow,
+        row: int,
+        images: torch.Tensor,
+        positions: torch.Tensor,
+        exact_state: torch.Tensor,
+        above_prepared,
+        to_end: bool = False,
+    ) -> None:
         """After the backbone gave the tokens at `positions` (one per image in `images`), re-draft what follows.
 
         `exact_state` (rows of `images`, H) predicted those tokens. The grid head re-drafts `grid_limit`
@@ -149,8 +181,15 @@ class SSDRowDrafter:
 
     def horizontal(self, drafted: DraftedRow, images, positions, hidden, tokens, steps: int) -> None:
         """Re-draft `steps` positions after `positions` with the horizontal head, in place."""
-        self._chain(drafted, images, positions, hidden, tokens, steps,
-                    lambda left, left_tokens, step: self.heads.horizontal(left, self.embed(left_tokens)))
+        self._chain(
+            drafted,
+            images,
+            positions,
+            hidden,
+            tokens,
+            steps,
+            lambda left, left_tokens, step: self.heads.horizontal(left, self.embed(left_tokens)),
+        )
 
     def along(self, drafted: DraftedRow, images, positions, hidden, tokens, above_prepared, limit: int = 0) -> None:
         """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
@@ -171,8 +210,16 @@ class SSDRowDrafter:
 
         self._chain(drafted, images, positions, hidden, tokens, steps, predict)
 
-    def _chain(self, drafted: DraftedRow, images, positions, hidden, tokens, steps: int,
-               predict: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> None:
+    def _chain(
+        self,
+        drafted: DraftedRow,
+        images,
+        positions,
+        hidden,
+        tokens,
+        steps: int,
+        predict: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    ) -> None:
         """Draft up to `steps` positions one after another right of `positions`, each from the one before.
 
         `predict(left state, left tokens, step)` gives the states `step + 1` positions right of `positions`.
@@ -192,8 +239,14 @@ class SSDRowDrafter:
             chain_tokens.append(tokens)
             chain_q.append(q)
             chain_states.append(hidden)
-        self._write_chain(drafted, images, positions, torch.stack(chain_tokens, 1), torch.stack(chain_q, 1),
-                          torch.stack(chain_states, 1))
+        self._write_chain(
+            drafted,
+            images,
+            positions,
+            torch.stack(chain_tokens, 1),
+            torch.stack(chain_q, 1),
+            torch.stack(chain_states, 1),
+        )
 
     def _write_chain(self, drafted: DraftedRow, images, positions, tokens, q, states) -> None:
         """Write a chain (k, steps, ...) right of `positions` into the row in one indexed write per tensor
@@ -208,7 +261,11 @@ class SSDRowDrafter:
             state_rows = self.twin(images)[:, None].expand_as(twin_columns)
             if inside is not None:
                 twin_inside = inside.repeat(self.twins, 1)
-                state_rows, twin_columns, states = state_rows[twin_inside], twin_columns[twin_inside], states[twin_inside]
+                state_rows, twin_columns, states = (
+                    state_rows[twin_inside],
+                    twin_columns[twin_inside],
+                    states[twin_inside],
+                )
             drafted.predicted[state_rows, twin_columns] = states
         if inside is not None:
             image_rows, columns, tokens, q = image_rows[inside], columns[inside], tokens[inside], q[inside]
@@ -228,8 +285,9 @@ class SSDRowDrafter:
         log_product = torch.where(is_open, draft_probability.clamp(min=1e-30).log(), 0.0).sum(1)
         return bool((log_product >= math.log(threshold)).all())
 
-    def draft_next_row(self, row: int, row_states: torch.Tensor, drafted: DraftedRow,
-                       committed: torch.Tensor) -> DraftedRow:
+    def draft_next_row(
+        self, row: int, row_states: torch.Tensor, drafted: DraftedRow, committed: torch.Tensor
+    ) -> DraftedRow:
         """Row `row + 1`'s drafts before row `row` is verified.
 
         The row above is this row as it stands: exact states (`row_states`, (G, C, H)) left of each image's

@@ -76,7 +76,9 @@ def read_heads_config(directory: str | Path) -> dict:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
     except (SafetensorError, OSError) as error:
-        raise ValueError(f"{path} is not a readable safetensors file ({error}); it may be truncated: re-export it") from error
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({error}); it may be truncated: re-export it"
+        ) from error
     if "config" not in metadata:
         raise ValueError(f"{path} carries no head config in its metadata: it was not written by heads.export")
     return json.loads(metadata["config"])
@@ -105,7 +107,9 @@ def check_compatible(config: dict, backbone_identity: dict, where: str) -> None:
         )
 
 
-def load_heads(directory: str | Path, backbone=None, device: str | torch.device = "cpu", kind: str | None = None) -> nn.Module:
+def load_heads(
+    directory: str | Path, backbone=None, device: str | torch.device = "cpu", kind: str | None = None
+) -> nn.Module:
     """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it.
 
     `kind` ("ssd", "mulo") refuses an export of another kind. A MuLo drafter records its
@@ -114,10 +118,14 @@ def load_heads(directory: str | Path, backbone=None, device: str | torch.device 
     directory = Path(directory)
     config = read_heads_config(directory)
     if config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{directory} has head format {config.get('format_version')}, this code reads {FORMAT_VERSION}")
+        raise ValueError(
+            f"{directory} has head format {config.get('format_version')}, this code reads {FORMAT_VERSION}"
+        )
     if kind is not None and config["kind"] != kind:
-        raise ValueError(f"{directory} holds {config['kind']!r} heads, but {kind!r} heads are needed here; "
-                         "point decode.heads / decode.mulo.drafter at the right export")
+        raise ValueError(
+            f"{directory} holds {config['kind']!r} heads, but {kind!r} heads are needed here; "
+            "point decode.heads / decode.mulo.drafter at the right export"
+        )
     if config["kind"] not in HEAD_KINDS:
         raise ValueError(f"{directory} holds heads of unknown kind {config['kind']!r}; known: {sorted(HEAD_KINDS)}")
     if backbone is not None:

@@ -68,8 +68,10 @@ class MuLoDrafterConfig:
 
     def __post_init__(self):
         if self.scale < 1 or self.backbone_rows % self.scale or self.backbone_cols % self.scale:
-            raise ValueError(f"head.scale must be >= 1 and divide the backbone grid {self.backbone_rows}x"
-                             f"{self.backbone_cols}, got {self.scale}")
+            raise ValueError(
+                f"head.scale must be >= 1 and divide the backbone grid {self.backbone_rows}x"
+                f"{self.backbone_cols}, got {self.scale}"
+            )
         if self.design not in DESIGNS:
             raise ValueError(f"head.design must be one of {DESIGNS} (or auto), got {self.design!r}")
         if self.conditioning not in CONDITIONINGS:
@@ -86,8 +88,10 @@ class MuLoDrafterConfig:
             if self.conditioning != "class" or self.num_classes != 10:
                 raise ValueError("the digits drafter is conditioned on the 10 digit classes; use head.design=llama")
         elif self.resample == "pixels":
-            raise ValueError("the llama drafter has no pixel codec of its own: set head.resample=latents "
-                             "(or head.design=digits on the digits backbone)")
+            raise ValueError(
+                "the llama drafter has no pixel codec of its own: set head.resample=latents "
+                "(or head.design=digits on the digits backbone)"
+            )
         if self.conditioning == "prompt" and self.condition_dim < 1:
             raise ValueError("prompt conditioning needs condition_dim, the backbone's input-embedding width")
         if self.conditioning == "class" and self.num_classes < 1:
@@ -104,7 +108,7 @@ class MuLoDrafterConfig:
         return self.backbone_cols // self.scale
 
     @classmethod
-    def for_backbone(cls, backbone: ARImageBackbone, design: str = "auto", **hparams) -> "MuLoDrafterConfig":
+    def for_backbone(cls, backbone: ARImageBackbone, design: str = "auto", **hparams) -> MuLoDrafterConfig:
         """A drafter config fitted to `backbone`: its grid, codebook, conditioning and CFG space.
 
         `design="auto"` picks the digits design on the digits backbone and llama elsewhere.
@@ -113,12 +117,22 @@ class MuLoDrafterConfig:
         if design == "auto":
             design = "digits" if isinstance(backbone, DigitsBackbone) else "llama"
         num_classes = getattr(backbone, "num_classes", None)
-        conditioning = {"conditioning": "class", "num_classes": int(num_classes)} if num_classes is not None else \
-            {"conditioning": "prompt", "condition_dim": backbone.hidden_size}
+        conditioning = (
+            {"conditioning": "class", "num_classes": int(num_classes)}
+            if num_classes is not None
+            else {"conditioning": "prompt", "condition_dim": backbone.hidden_size}
+        )
         geometry = backbone.geometry
-        return cls(backbone_rows=geometry.rows, backbone_cols=geometry.cols, levels=backbone.codebook_size,
-                   design=design, cfg_space=backbone.cfg_space, backbone_family=type(backbone).__name__,
-                   **conditioning, **hparams)
+        return cls(
+            backbone_rows=geometry.rows,
+            backbone_cols=geometry.cols,
+            levels=backbone.codebook_size,
+            design=design,
+            cfg_space=backbone.cfg_space,
+            backbone_family=type(backbone).__name__,
+            **conditioning,
+            **hparams,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,11 +157,17 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
         self.cfg_space = config.cfg_space
         llama_config = LlamaConfig(
             vocab_size=1,  # inputs arrive as embeddings; LlamaModel's own table is unused
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_heads, max_position_embeddings=config.rows * config.cols + 1,
-            rope_theta=config.rope_theta, attn_implementation="sdpa",
-            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_heads,
+            max_position_embeddings=config.rows * config.cols + 1,
+            rope_theta=config.rope_theta,
+            attn_implementation="sdpa",
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
         )
         self.token_embed = nn.Embedding(config.levels + 1, config.hidden_size)  # + BOS (id = levels)
         if config.conditioning == "class":
@@ -167,8 +187,9 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
 
     # ---- conditioning ---------------------------------------------------------------------
 
-    def condition_vectors(self, condition: Condition, guided: bool = False,
-                          drop: torch.Tensor | None = None) -> torch.Tensor:
+    def condition_vectors(
+        self, condition: Condition, guided: bool = False, drop: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The vector added at every position: (B, hidden), or (2B, hidden) [cond; null] when `guided`.
 
         `drop` (B,) bool replaces those rows by the null condition (condition dropout in training).
@@ -176,8 +197,10 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
         device = self.token_embed.weight.device
         if self.config.conditioning == "class":
             if condition.class_ids is None:
-                raise ValueError(f"this drafter is class-conditional ({self.config.num_classes} classes): "
-                                 "give Condition(class_ids=...)")
+                raise ValueError(
+                    f"this drafter is class-conditional ({self.config.num_classes} classes): "
+                    "give Condition(class_ids=...)"
+                )
             ids = condition.class_ids.to(device).long()
             null = torch.full_like(ids, self.config.num_classes)
             if drop is not None:
@@ -186,10 +209,14 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
                 ids = torch.cat([ids, null])
             return self.class_embed(ids)
         if condition.class_ids is not None:
-            raise ValueError("this drafter is prompt-conditioned: give Condition(prompts=...) or Condition(token_ids=...)")
+            raise ValueError(
+                "this drafter is prompt-conditioned: give Condition(prompts=...) or Condition(token_ids=...)"
+            )
         if self._backbone is None:
-            raise RuntimeError("a prompt-conditioned drafter needs its backbone for the prompt embeddings: "
-                               "call drafter.bind(backbone) first")
+            raise RuntimeError(
+                "a prompt-conditioned drafter needs its backbone for the prompt embeddings: "
+                "call drafter.bind(backbone) first"
+            )
         with torch.no_grad():
             pooled = self._backbone.condition_embedding(condition)  # (B, condition_dim), frozen
         vectors = self.condition_proj(pooled.to(device=device, dtype=self.condition_proj.weight.dtype))
@@ -211,8 +238,13 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
 
     def prefill(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
         vectors = self.condition_vectors(condition, guided)  # (rows, hidden)
-        state = DecodeState(cache=DynamicCache(config=self.transformer.config), batch_size=condition.batch_size,
-                            guided=guided, prefix_length=1, extras={"condition": vectors})
+        state = DecodeState(
+            cache=DynamicCache(config=self.transformer.config),
+            batch_size=condition.batch_size,
+            guided=guided,
+            prefix_length=1,
+            extras={"condition": vectors},
+        )
         bos = torch.full((vectors.shape[0], 1), self.config.levels, device=vectors.device)
         return state, self._run(state, bos)
 
@@ -247,10 +279,18 @@ class MuLoDrafter(nn.Module):
         super().__init__()
         self.config = config
         if config.design == "digits":
-            self.model = DigitsBackbone(DigitsBackboneConfig(
-                grid_size=config.rows, levels=config.levels, hidden_size=config.hidden_size,
-                num_layers=config.num_layers, num_heads=config.num_heads, intermediate_size=config.intermediate_size,
-                rope_theta=config.rope_theta, name="mulo-drafter"))
+            self.model = DigitsBackbone(
+                DigitsBackboneConfig(
+                    grid_size=config.rows,
+                    levels=config.levels,
+                    hidden_size=config.hidden_size,
+                    num_layers=config.num_layers,
+                    num_heads=config.num_heads,
+                    intermediate_size=config.intermediate_size,
+                    rope_theta=config.rope_theta,
+                    name="mulo-drafter",
+                )
+            )
         else:
             self.model = MuLoLlamaDrafterModel(config)
 
@@ -261,18 +301,24 @@ class MuLoDrafter(nn.Module):
         if config.backbone_family and config.backbone_family != type(backbone).__name__:
             problems.append(f"family: drafter {config.backbone_family}, backbone {type(backbone).__name__}")
         if (config.backbone_rows, config.backbone_cols) != (geometry.rows, geometry.cols):
-            problems.append(f"grid: drafter {config.backbone_rows}x{config.backbone_cols}, "
-                            f"backbone {geometry.rows}x{geometry.cols}")
+            problems.append(
+                f"grid: drafter {config.backbone_rows}x{config.backbone_cols}, backbone {geometry.rows}x{geometry.cols}"
+            )
         if config.levels != backbone.codebook_size:
             problems.append(f"codebook: drafter {config.levels}, backbone {backbone.codebook_size}")
         if config.conditioning == "prompt" and config.condition_dim != backbone.hidden_size:
             problems.append(f"prompt embedding width: drafter {config.condition_dim}, backbone {backbone.hidden_size}")
-        if config.conditioning == "class" and config.design == "llama" and \
-                getattr(backbone, "num_classes", None) not in (None, config.num_classes):
+        if (
+            config.conditioning == "class"
+            and config.design == "llama"
+            and getattr(backbone, "num_classes", None) not in (None, config.num_classes)
+        ):
             problems.append(f"classes: drafter {config.num_classes}, backbone {backbone.num_classes}")
         if problems:
-            raise ValueError(f"this MuLo drafter was built for another backbone than {backbone.name!r} "
-                             f"({'; '.join(problems)}); train a drafter for it (python -m train +experiment=mulo_...)")
+            raise ValueError(
+                f"this MuLo drafter was built for another backbone than {backbone.name!r} "
+                f"({'; '.join(problems)}); train a drafter for it (python -m train +experiment=mulo_...)"
+            )
         if isinstance(self.model, MuLoLlamaDrafterModel):
             self.model.attach(backbone)
         return self.model

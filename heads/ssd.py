@@ -59,7 +59,9 @@ class SSDHeadConfig:
         if self.row_attention_layers < 0:
             raise ValueError(f"head.row_attention_layers must be >= 0, got {self.row_attention_layers}")
         if self.row_attention_layers and self.width % self.row_attention_heads:
-            raise ValueError(f"head.width {self.width} must be divisible by head.row_attention_heads {self.row_attention_heads}")
+            raise ValueError(
+                f"head.width {self.width} must be divisible by head.row_attention_heads {self.row_attention_heads}"
+            )
         if self.input_noise < 0:
             raise ValueError(f"head.input_noise must be >= 0, got {self.input_noise}")
 
@@ -122,8 +124,9 @@ class SSDGridPredictor(nn.Module):
         # The MLP's Linear layers, for the per-token functional path (a plain tuple: not registered twice).
         self._linears = tuple(layer for layer in self.mlp if isinstance(layer, nn.Linear))
 
-    def forward(self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor,
-                left_embedding: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, above: torch.Tensor, above_embedding: torch.Tensor, left: torch.Tensor, left_embedding: torch.Tensor
+    ) -> torch.Tensor:
         return self.from_above(self.prepare_above(above, above_embedding), left, left_embedding)
 
     def prepare_above(self, above: torch.Tensor, above_embedding: torch.Tensor) -> torch.Tensor:
@@ -158,7 +161,9 @@ class SSDGridPredictor(nn.Module):
         first, size = self.mlp[0], self.norms[0].normalized_shape[0]
         return nn.functional.linear(self.norms[3](token_embeddings), first.weight[:, 3 * size : 4 * size])
 
-    def from_prepared(self, prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor) -> torch.Tensor:
+    def from_prepared(
+        self, prepared_above: torch.Tensor, left: torch.Tensor, prepared_left_token: torch.Tensor
+    ) -> torch.Tensor:
         """The predicted state from the prepared above share, the left state (..., H) and the prepared left token."""
         return self.drafting_step()(prepared_above, left, prepared_left_token)
 
@@ -201,15 +206,24 @@ class SSDRowAttentionPredictor(nn.Module):
         self.hidden_norm = nn.RMSNorm(size)
         self.embed_norm = nn.RMSNorm(size)
         self.fuse = nn.Linear(2 * size, width)
-        layer = nn.TransformerEncoderLayer(width, config.row_attention_heads, dim_feedforward=2 * width, dropout=0.0,
-                                           activation="gelu", batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width,
+            config.row_attention_heads,
+            dim_feedforward=2 * width,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
         self.row_context = nn.TransformerEncoder(layer, config.row_attention_layers, enable_nested_tensor=False)
         self.out = nn.Linear(width, size)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
     def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
-        fused = self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embedding)], dim=-1))  # (..., C, W)
+        fused = self.fuse(
+            torch.cat([self.hidden_norm(hidden), self.embed_norm(token_embedding)], dim=-1)
+        )  # (..., C, W)
         leading = fused.shape[:-2]
         context = self.row_context(fused.reshape(-1, *fused.shape[-2:])).reshape(*leading, *fused.shape[-2:])
         return hidden + self.out(context)

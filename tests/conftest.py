@@ -40,7 +40,9 @@ def classifier_cache(tmp_path_factory) -> Path:
     from train.digits_classifier import train_and_save
 
     directory = tmp_path_factory.mktemp("checkpoints")
-    train_and_save(directory / "digits-classifier", TINY_BACKBONE["grid_size"], TINY_BACKBONE["levels"], log=lambda _: None)
+    train_and_save(
+        directory / "digits-classifier", TINY_BACKBONE["grid_size"], TINY_BACKBONE["levels"], log=lambda _: None
+    )
     return directory
 
 

@@ -68,13 +68,15 @@ CLASSES = torch.tensor([3, 0, 7, 9])
 
 
 def _ssd_backbone():
-    return random_digits_backbone(seed=0, grid_size=8, levels=8, hidden_size=32, num_layers=2, num_heads=2,
-                                  intermediate_size=64)
+    return random_digits_backbone(
+        seed=0, grid_size=8, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
 
 
 def _mulo_backbone():
-    return random_digits_backbone(seed=0, grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2,
-                                  intermediate_size=64)
+    return random_digits_backbone(
+        seed=0, grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
 
 
 def _ssd_heads(grid: bool):
@@ -91,8 +93,18 @@ def _mulo_drafter():
     from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 
     torch.manual_seed(12)
-    drafter = MuLoDrafter(MuLoDrafterConfig(backbone_rows=12, backbone_cols=12, levels=8, scale=3, hidden_size=16,
-                                            num_layers=1, num_heads=1, intermediate_size=32))
+    drafter = MuLoDrafter(
+        MuLoDrafterConfig(
+            backbone_rows=12,
+            backbone_cols=12,
+            levels=8,
+            scale=3,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=1,
+            intermediate_size=32,
+        )
+    )
     for parameter in drafter.parameters():
         torch.nn.init.normal_(parameter, std=0.3)
     return drafter.eval()
@@ -100,8 +112,12 @@ def _mulo_drafter():
 
 def _record(result) -> dict:
     tokens = result.tokens.to(torch.int64).contiguous().numpy().tobytes()
-    return {"tokens_sha1": hashlib.sha1(tokens).hexdigest()[:16], "forward_passes": result.forward_passes,
-            "drafted_tokens": result.drafted_tokens, "accepted_tokens": result.accepted_tokens}
+    return {
+        "tokens_sha1": hashlib.sha1(tokens).hexdigest()[:16],
+        "forward_passes": result.forward_passes,
+        "drafted_tokens": result.drafted_tokens,
+        "accepted_tokens": result.accepted_tokens,
+    }
 
 
 def compute_pins() -> dict:

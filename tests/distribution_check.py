@@ -20,8 +20,9 @@ from decode.sampling import SamplingConfig, token_distribution
 
 def enumerable_backbone(grid_size: int = 3, levels: int = 2, seed: int = 3, sharpen: float = 1.0):
     """A random digits backbone small enough to enumerate (levels ** grid_size ** 2 images)."""
-    backbone = random_digits_backbone(seed=seed, grid_size=grid_size, levels=levels, hidden_size=16, num_layers=1,
-                                      num_heads=1, intermediate_size=32)
+    backbone = random_digits_backbone(
+        seed=seed, grid_size=grid_size, levels=levels, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32
+    )
     if sharpen != 1.0:
         with torch.no_grad():
             for parameter in backbone.parameters():

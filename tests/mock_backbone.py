@@ -43,11 +43,14 @@ class MockBackbone(ARImageBackbone):
 
     def target_tokens(self) -> torch.Tensor:
         return torch.tensor([self.target_token(i) for i in range(self.geometry.num_tokens)]).view(
-            self.geometry.rows, self.geometry.cols)
+            self.geometry.rows, self.geometry.cols
+        )
 
     def _hidden_for(self, positions: list[int], rows: int) -> torch.Tensor:
         targets = torch.tensor([self.target_token(min(i, self.geometry.num_tokens - 1)) for i in positions])
-        return (torch.nn.functional.one_hot(targets, self.codebook_size).float() * self.peak).expand(rows, -1, -1).clone()
+        return (
+            (torch.nn.functional.one_hot(targets, self.codebook_size).float() * self.peak).expand(rows, -1, -1).clone()
+        )
 
     def prefill(self, condition, guided):
         state = DecodeState(cache=CountingCache(), batch_size=condition.batch_size, guided=guided, prefix_length=1)

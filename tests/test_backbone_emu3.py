@@ -145,8 +145,9 @@ def test_pre_norm_hidden_through_logits_is_the_models_lm_head_output(backbone, r
     # Really pre-norm: not the model's final (normalised) state.
     assert not torch.allclose(hidden, post_norm, atol=1e-3)
     torch.testing.assert_close(backbone.final_norm(hidden), post_norm, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(backbone.logits(hidden), reference.lm_head(post_norm)[..., _visual_ids(reference)],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.logits(hidden), reference.lm_head(post_norm)[..., _visual_ids(reference)], atol=1e-5, rtol=1e-4
+    )
 
 
 @torch.no_grad()
@@ -159,14 +160,16 @@ def test_unconditional_twin_and_logprob_guidance(backbone, reference):
     uncond_ids[:, 1:5] = 0
     ref = _reference_logits(reference, torch.cat([PROMPTS, uncond_ids]))[:, -1:]
     cond, uncond = ref[:2].log_softmax(-1), ref[2:].log_softmax(-1)
-    torch.testing.assert_close(backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond), atol=1e-5, rtol=1e-4
+    )
     # Mixing full-vocabulary log-probs (what UnbatchedClassifierFreeGuidanceLogitsProcessor does) differs
     # only by a per-row constant: the same distribution over visual tokens.
     full = reference(input_ids=torch.cat([PROMPTS, uncond_ids]), use_cache=False).logits[:, -1:].log_softmax(-1)
     mixed_full = (full[2:] + 4.0 * (full[:2] - full[2:]))[..., _visual_ids(reference)]
-    torch.testing.assert_close(backbone.scores(state, hidden, 4.0).softmax(-1), mixed_full.softmax(-1),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.scores(state, hidden, 4.0).softmax(-1), mixed_full.softmax(-1), atol=1e-5, rtol=1e-4
+    )
 
 
 @torch.no_grad()
@@ -253,11 +256,17 @@ def test_greedy_generate_ar_equals_transformers_generate_with_the_documented_emu
         return {end + 1: [eof], end + 2: [eoi], end + 3: [eos]}.get(int(offset), [pad] if offset > end + 3 else visual)
 
     negative = backbone.unconditional_token_ids(PROMPTS)
-    out = reference.generate(input_ids=PROMPTS, attention_mask=torch.ones_like(PROMPTS),
-                             max_new_tokens=ROWS * (COLS + 1) + 3, prefix_allowed_tokens_fn=allowed,
-                             do_sample=False, guidance_scale=3.0, negative_prompt_ids=negative,
-                             negative_prompt_attention_mask=torch.ones_like(negative))
-    generated = out[:, PROMPTS.shape[1]:]
+    out = reference.generate(
+        input_ids=PROMPTS,
+        attention_mask=torch.ones_like(PROMPTS),
+        max_new_tokens=ROWS * (COLS + 1) + 3,
+        prefix_allowed_tokens_fn=allowed,
+        do_sample=False,
+        guidance_scale=3.0,
+        negative_prompt_ids=negative,
+        negative_prompt_attention_mask=torch.ones_like(negative),
+    )
+    generated = out[:, PROMPTS.shape[1] :]
     assert generated[:, -3:].tolist() == [[eof, eoi, eos]] * 2
     expected = reference.vocabulary_mapping.convert_bpe2img(generated[:, :-3].view(2, ROWS, COLS + 1))
     result = generate_ar(backbone, Condition(token_ids=PROMPTS), SamplingConfig(cfg_scale=3.0, greedy=True))

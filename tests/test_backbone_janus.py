@@ -100,8 +100,9 @@ def test_pre_norm_hidden_through_logits_is_the_models_generation_head_output(bac
     # Really pre-norm: not the model's final (normalised) state, whose RMS is ~ the norm weight.
     assert not torch.allclose(hidden, post_norm, atol=1e-3)
     torch.testing.assert_close(backbone.final_norm(hidden), post_norm, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(backbone.logits(hidden), reference.model.generation_head(post_norm),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.logits(hidden), reference.model.generation_head(post_norm), atol=1e-5, rtol=1e-4
+    )
 
 
 @torch.no_grad()
@@ -115,15 +116,21 @@ def test_unconditional_twin_and_guidance_follow_janus_generate(backbone, referen
     last = reference.model.language_model(inputs_embeds=reference.get_input_embeddings()(both)).last_hidden_state
     ref_logits = reference.model.generation_head(last[:, -1:])
     cond, uncond = ref_logits[:2], ref_logits[2:]
-    torch.testing.assert_close(backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond), atol=1e-5, rtol=1e-4
+    )
     torch.testing.assert_close(backbone.scores(state, hidden, 1.0), cond, atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()
 def test_greedy_generate_ar_equals_janus_generate_image_mode(backbone, reference):
-    expected = reference.generate(input_ids=PROMPTS, attention_mask=torch.ones_like(PROMPTS),
-                                  generation_mode="image", do_sample=False, guidance_scale=3.0)
+    expected = reference.generate(
+        input_ids=PROMPTS,
+        attention_mask=torch.ones_like(PROMPTS),
+        generation_mode="image",
+        do_sample=False,
+        guidance_scale=3.0,
+    )
     assert expected.shape == (2, 16)
     result = generate_ar(backbone, Condition(token_ids=PROMPTS), SamplingConfig(cfg_scale=3.0, greedy=True))
     assert result.tokens.shape == (2, 4, 4)

@@ -30,10 +30,15 @@ def official_keys(n_layer: int) -> set[str]:
     """Parameter names of FoundationVision/LlamaGen autoregressive/models/gpt.py `Transformer` (c2i)."""
     keys = {"cls_embedding.embedding_table.weight", "tok_embeddings.weight", "norm.weight", "output.weight"}
     for i in range(n_layer):
-        keys |= {f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wo.weight",
-                 f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.feed_forward.w2.weight",
-                 f"layers.{i}.feed_forward.w3.weight", f"layers.{i}.attention_norm.weight",
-                 f"layers.{i}.ffn_norm.weight"}
+        keys |= {
+            f"layers.{i}.attention.wqkv.weight",
+            f"layers.{i}.attention.wo.weight",
+            f"layers.{i}.feed_forward.w1.weight",
+            f"layers.{i}.feed_forward.w2.weight",
+            f"layers.{i}.feed_forward.w3.weight",
+            f"layers.{i}.attention_norm.weight",
+            f"layers.{i}.ffn_norm.weight",
+        }
     return keys
 
 
@@ -72,8 +77,12 @@ def test_rope_table_prefix_is_zero_and_grid_is_row_then_column():
     assert table.shape == (10, 4, 2) and torch.equal(table[0], torch.zeros(4, 2))
     # head_dim 8 -> 2 frequencies per axis, the first (freq 1) for the row then for the column.
     cell = 1 + 1 * 3 + 2  # row 1, column 2
-    torch.testing.assert_close(table[cell, 0], torch.tensor([torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))]))
-    torch.testing.assert_close(table[cell, 2], torch.tensor([torch.cos(torch.tensor(2.0)), torch.sin(torch.tensor(2.0))]))
+    torch.testing.assert_close(
+        table[cell, 0], torch.tensor([torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))])
+    )
+    torch.testing.assert_close(
+        table[cell, 2], torch.tensor([torch.cos(torch.tensor(2.0)), torch.sin(torch.tensor(2.0))])
+    )
 
 
 @torch.no_grad()
@@ -190,8 +199,9 @@ def test_codebook_from_a_vq_checkpoint_and_no_decoder_without_one(llamagen, tmp_
     with pytest.raises(NotImplementedError, match="VQ-16 decoder"):
         llamagen.tokens_to_pixels(torch.zeros(1, GRID, GRID, dtype=torch.long))
     codebook = torch.randn(VOCAB, 8)
-    torch.save({"model": {"quantize.embedding.weight": codebook, "decoder.conv_in.weight": torch.zeros(1)}},
-               tmp_path / "vq.pt")
+    torch.save(
+        {"model": {"quantize.embedding.weight": codebook, "decoder.conv_in.weight": torch.zeros(1)}}, tmp_path / "vq.pt"
+    )
     with_vq = LlamaGenBackbone(llamagen.config, vq_path=tmp_path / "vq.pt")
     latents = with_vq.codebook_latents()
     assert latents.shape == (VOCAB, 8)
@@ -200,12 +210,24 @@ def test_codebook_from_a_vq_checkpoint_and_no_decoder_without_one(llamagen, tmp_
 
 def official_vq_decoder_keys() -> list[str]:
     """Some parameter names of the official VQ-16 VQModel (tokenizer/tokenizer_image/vq_model.py), decoder side."""
-    return ["post_quant_conv.weight", "post_quant_conv.bias", "decoder.conv_in.weight", "decoder.mid.0.norm1.weight",
-            "decoder.mid.0.conv2.bias", "decoder.mid.1.q.weight", "decoder.mid.1.proj_out.bias",
-            "decoder.conv_blocks.0.res.2.conv1.weight", "decoder.conv_blocks.0.attn.2.k.weight",
-            "decoder.conv_blocks.0.upsample.conv.weight", "decoder.conv_blocks.1.res.0.nin_shortcut.weight",
-            "decoder.conv_blocks.3.res.0.nin_shortcut.weight", "decoder.conv_blocks.4.res.2.norm2.bias",
-            "decoder.norm_out.weight", "decoder.conv_out.weight", "decoder.conv_out.bias"]
+    return [
+        "post_quant_conv.weight",
+        "post_quant_conv.bias",
+        "decoder.conv_in.weight",
+        "decoder.mid.0.norm1.weight",
+        "decoder.mid.0.conv2.bias",
+        "decoder.mid.1.q.weight",
+        "decoder.mid.1.proj_out.bias",
+        "decoder.conv_blocks.0.res.2.conv1.weight",
+        "decoder.conv_blocks.0.attn.2.k.weight",
+        "decoder.conv_blocks.0.upsample.conv.weight",
+        "decoder.conv_blocks.1.res.0.nin_shortcut.weight",
+        "decoder.conv_blocks.3.res.0.nin_shortcut.weight",
+        "decoder.conv_blocks.4.res.2.norm2.bias",
+        "decoder.norm_out.weight",
+        "decoder.conv_out.weight",
+        "decoder.conv_out.bias",
+    ]
 
 
 def test_vq16_decoder_has_the_official_names_and_shapes():
@@ -215,7 +237,9 @@ def test_vq16_decoder_has_the_official_names_and_shapes():
     for key in official_vq_decoder_keys():
         assert key in shapes, key
     assert "decoder.conv_blocks.4.upsample.conv.weight" not in shapes  # the last level does not upsample
-    assert not any(k.startswith("decoder.conv_blocks.1.attn") for k in shapes)  # attention at the lowest resolution only
+    assert not any(
+        k.startswith("decoder.conv_blocks.1.attn") for k in shapes
+    )  # attention at the lowest resolution only
     assert shapes["post_quant_conv.weight"] == (256, 8, 1, 1)
     assert shapes["decoder.conv_in.weight"] == (512, 256, 3, 3)
     assert shapes["decoder.conv_out.weight"] == (3, 128, 3, 3)
@@ -227,8 +251,13 @@ def test_tokens_to_pixels_through_a_vq_checkpoint(llamagen, tmp_path):
     torch.manual_seed(3)
     decoder = VQ16Decoder(**tiny).eval()
     codebook = torch.randn(VOCAB, 8)
-    state = {"quantize.embedding.weight": codebook, "quantize.codebook_used": torch.zeros(65536),
-             "encoder.conv_in.weight": torch.zeros(1), "quant_conv.weight": torch.zeros(1), **decoder.state_dict()}
+    state = {
+        "quantize.embedding.weight": codebook,
+        "quantize.codebook_used": torch.zeros(65536),
+        "encoder.conv_in.weight": torch.zeros(1),
+        "quant_conv.weight": torch.zeros(1),
+        **decoder.state_dict(),
+    }
     torch.save({"model": state}, tmp_path / "vq.pt")
     backbone = LlamaGenBackbone(llamagen.config, vq_path=tmp_path / "vq.pt")
     backbone.vq_architecture = tiny

@@ -203,8 +203,9 @@ def test_logprob_guidance(backbone, reference):
     vocab = _image_vocab_ids(reference)
     cond = reference.lm_head(ref_cond)[..., vocab].log_softmax(-1)
     uncond_lp = reference.lm_head(ref_uncond)[..., vocab].log_softmax(-1)
-    torch.testing.assert_close(backbone.scores(state, hidden, 3.0), uncond_lp + 3.0 * (cond - uncond_lp),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.scores(state, hidden, 3.0), uncond_lp + 3.0 * (cond - uncond_lp), atol=1e-5, rtol=1e-4
+    )
     torch.testing.assert_close(backbone.scores(state, hidden, 1.0), cond, atol=1e-5, rtol=1e-4)
 
 

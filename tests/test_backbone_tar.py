@@ -101,8 +101,9 @@ def test_pre_norm_hidden_through_logits_is_the_models_own_output(backbone, refer
     post_norm = reference.model(input_ids=flat, use_cache=False).last_hidden_state[:, PROMPTS.shape[1] - 1 :]
     assert not torch.allclose(hidden, post_norm, atol=1e-3)
     torch.testing.assert_close(backbone.final_norm(hidden), post_norm, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(backbone.logits(hidden), reference.lm_head(post_norm)[..., IMAGE_IDS],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.logits(hidden), reference.lm_head(post_norm)[..., IMAGE_IDS], atol=1e-5, rtol=1e-4
+    )
 
 
 @torch.no_grad()
@@ -111,8 +112,9 @@ def test_unconditional_twin_and_logit_guidance(backbone, reference):
     state, hidden = backbone.prefill(Condition(token_ids=PROMPTS), guided=True)
     ref = _ref_logits(reference, torch.cat([PROMPTS, backbone.unconditional_token_ids(PROMPTS)]))[:, -1:]
     cond, uncond = ref[:2], ref[2:]
-    torch.testing.assert_close(backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        backbone.scores(state, hidden, 4.0), uncond + 4.0 * (cond - uncond), atol=1e-5, rtol=1e-4
+    )
     backbone.negative_token_ids = torch.tensor([9, 9, 9, 9, 9, 30, 31])
     assert backbone.unconditional_token_ids(PROMPTS).tolist() == [[9, 9, 9, 9, 9, 30, 31]] * 2
     backbone.negative_token_ids = torch.tensor([9, 30, 31])

@@ -34,8 +34,7 @@ def with_option(group: str, option: str) -> list[str]:
 
 
 # This machine and CI have no GPU: GPU trainers are instantiated with their accelerator switched to CPU.
-ON_CPU = {"gpu": ["trainer.accelerator=cpu"], "ddp": ["trainer.accelerator=cpu", "trainer.devices=2"],
-          "fsdp": []}
+ON_CPU = {"gpu": ["trainer.accelerator=cpu"], "ddp": ["trainer.accelerator=cpu", "trainer.devices=2"], "fsdp": []}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS_WITH_TARGETS for o in options(g)])
@@ -56,7 +55,11 @@ def test_group_option_instantiates(group, option, tmp_path, monkeypatch):
 
         assert isinstance(hydra.utils.instantiate(cfg.trainer.strategy), FSDPStrategy)
         return
-    extra = {"backbone": hydra.utils.instantiate(cfg.backbone)} if group != "backbone" and needs_backbone(cfg[group]) else {}
+    extra = (
+        {"backbone": hydra.utils.instantiate(cfg.backbone)}
+        if group != "backbone" and needs_backbone(cfg[group])
+        else {}
+    )
     obj = hydra.utils.instantiate(cfg[group], **extra)
     assert obj is not None
     if group == "trainer" and option in ON_CPU:
@@ -105,8 +108,11 @@ def test_slurm_launcher_config_composes(tmp_path):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=4"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=4"],
+            return_hydra_config=True,
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.nodes == 4 and launcher.tasks_per_node == launcher.gpus_per_node == 8

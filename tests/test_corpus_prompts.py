@@ -11,8 +11,8 @@ import torch
 from backbones.base import Condition
 from backbones.emu3 import random_emu3_backbone
 from data.corpus import CorpusSpec, build_corpus, corpus_dataset, shard_name
-from decode.conditions import load_prompts
 from decode.ar import generate_ar
+from decode.conditions import load_prompts
 from decode.sampling import SamplingConfig
 from train.ssd_module import SSDDistillation
 
@@ -36,8 +36,15 @@ def read_all(directory, spec):
 
 
 def test_prompt_corpus_round_trip_keeps_the_prompt_order_and_cycles(emu3, prompt_file, tmp_path):
-    spec = CorpusSpec(num_images=12, shard_size=5, batch_size=3, conditions="prompts", prompt_source=str(prompt_file),
-                      cfg_scale=3.0, top_k=1)  # top-k 1: every image is its prompt's greedy image
+    spec = CorpusSpec(
+        num_images=12,
+        shard_size=5,
+        batch_size=3,
+        conditions="prompts",
+        prompt_source=str(prompt_file),
+        cfg_scale=3.0,
+        top_k=1,
+    )  # top-k 1: every image is its prompt's greedy image
     build_corpus(emu3, tmp_path / "corpus", spec)
     samples = read_all(tmp_path / "corpus", spec)
     assert [s["prompt"] for s in samples] == [PROMPTS[i % len(PROMPTS)] for i in range(12)]
@@ -79,8 +86,15 @@ def test_class_id_corpora_balance_num_classes(tmp_path):
 
 
 def test_offline_and_online_targets_agree_on_a_ragged_prompt_corpus(emu3, prompt_file, tmp_path):
-    spec = CorpusSpec(num_images=5, shard_size=5, batch_size=5, conditions="prompts", prompt_source=str(prompt_file),
-                      cfg_scale=3.0, store_hidden=True)
+    spec = CorpusSpec(
+        num_images=5,
+        shard_size=5,
+        batch_size=5,
+        conditions="prompts",
+        prompt_source=str(prompt_file),
+        cfg_scale=3.0,
+        store_hidden=True,
+    )
     build_corpus(emu3, tmp_path, spec)
     batch = torch.utils.data.default_collate(read_all(tmp_path, spec))
     module = SSDDistillation(emu3, head=dict(width=16, depth=1), optimizer=torch.optim.AdamW, cfg_scale=3.0)

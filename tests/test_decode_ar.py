@@ -23,12 +23,16 @@ def reference_ar_without_cache(backbone, class_ids, sampling, generator):
     return tokens.view(-1, backbone.geometry.rows, backbone.geometry.cols)
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(greedy=True),
-    SamplingConfig(greedy=True, cfg_scale=2.5),
-    SamplingConfig(temperature=0.9, top_k=5, cfg_scale=2.0),
-    SamplingConfig(top_p=0.8),
-], ids=["greedy", "greedy-cfg", "sampled-cfg-topk", "sampled-topp"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(greedy=True),
+        SamplingConfig(greedy=True, cfg_scale=2.5),
+        SamplingConfig(temperature=0.9, top_k=5, cfg_scale=2.0),
+        SamplingConfig(top_p=0.8),
+    ],
+    ids=["greedy", "greedy-cfg", "sampled-cfg-topk", "sampled-topp"],
+)
 def test_kv_cached_decoding_equals_the_no_cache_loop(tiny_backbone, sampling):
     class_ids = torch.tensor([0, 4, 9])
     cached = generate_ar(tiny_backbone, Condition(class_ids=class_ids), sampling, torch.Generator().manual_seed(7))

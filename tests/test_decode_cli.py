@@ -11,9 +11,17 @@ from decode.cli import run_decode
 
 def test_decode_writes_metrics_pngs_and_tokens(tmp_path, classifier_cache):
     out = tmp_path / "out"
-    cfg = compose_config(["backbone=digits_tiny", "decode.num_images=6", "decode.batch_size=4",
-                          f"decode.out={out}", "decode.save_tokens=true", f"paths.checkpoints_dir={classifier_cache}"],
-                         tmp_path)
+    cfg = compose_config(
+        [
+            "backbone=digits_tiny",
+            "decode.num_images=6",
+            "decode.batch_size=4",
+            f"decode.out={out}",
+            "decode.save_tokens=true",
+            f"paths.checkpoints_dir={classifier_cache}",
+        ],
+        tmp_path,
+    )
     run_decode(cfg)
     metrics = json.loads((out / "metrics.json").read_text())
     ar = metrics["methods"]["ar"]
@@ -35,10 +43,20 @@ def test_decode_writes_metrics_pngs_and_tokens(tmp_path, classifier_cache):
 
 def test_unknown_method_is_refused_before_anything_is_built(tmp_path, classifier_cache):
     out = tmp_path / "out"
-    cfg = compose_config(["backbone=digits_tiny", "decode.methods=[ar,ssd_exact_g2]", f"decode.out={out}",
-                          f"paths.checkpoints_dir={classifier_cache}"], tmp_path)
-    with pytest.raises(ValueError, match=r"unknown decode method 'ssd_exact_g2'.*ssd_autocorrect, ssd_exact.*"
-                                         r"\+method@decode.presets.ssd_exact_g2=<preset>"):
+    cfg = compose_config(
+        [
+            "backbone=digits_tiny",
+            "decode.methods=[ar,ssd_exact_g2]",
+            f"decode.out={out}",
+            f"paths.checkpoints_dir={classifier_cache}",
+        ],
+        tmp_path,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unknown decode method 'ssd_exact_g2'.*ssd_autocorrect, ssd_exact.*"
+        r"\+method@decode.presets.ssd_exact_g2=<preset>",
+    ):
         run_decode(cfg)
     assert not out.exists()  # nothing was written
 
@@ -81,8 +99,11 @@ def _export_tiny_drafter(backbone, directory):
     from heads.export import export_heads
     from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 
-    drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1,
-                                                         intermediate_size=32))
+    drafter = MuLoDrafter(
+        MuLoDrafterConfig.for_backbone(
+            backbone, scale=2, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32
+        )
+    )
     export_heads(drafter, directory, backbone.identity())
 
 
@@ -91,8 +112,15 @@ def _methods(overrides, tmp_path):
 
     from decode.registry import check_methods, load_artefacts
 
-    cfg = compose_config(["backbone=digits_tiny", f"decode.heads={tmp_path / 'heads'}",
-                          f"decode.drafter={tmp_path / 'drafter'}", *overrides], tmp_path)
+    cfg = compose_config(
+        [
+            "backbone=digits_tiny",
+            f"decode.heads={tmp_path / 'heads'}",
+            f"decode.drafter={tmp_path / 'drafter'}",
+            *overrides,
+        ],
+        tmp_path,
+    )
     backbone = hydra.utils.instantiate(cfg.backbone)
     if not (tmp_path / "heads").exists():
         _export_tiny_heads(backbone, tmp_path / "heads")
@@ -117,24 +145,34 @@ def test_presets_bind_names_to_generators_and_settings(tmp_path):
 
 
 def test_any_setting_is_overridden_and_two_presets_of_one_method_run_side_by_side(tmp_path):
-    methods = _methods(["decode.methods=[ssd_autocorrect,ssd_r4]", "decode.presets.ssd_autocorrect.window=3",
-                        "+method@decode.presets.ssd_r4=ssd_autocorrect", "decode.presets.ssd_r4.rounds=4",
-                        "decode.presets.ssd_r4.lookahead=true"], tmp_path)
+    methods = _methods(
+        [
+            "decode.methods=[ssd_autocorrect,ssd_r4]",
+            "decode.presets.ssd_autocorrect.window=3",
+            "+method@decode.presets.ssd_r4=ssd_autocorrect",
+            "decode.presets.ssd_r4.rounds=4",
+            "decode.presets.ssd_r4.lookahead=true",
+        ],
+        tmp_path,
+    )
     first, second = methods["ssd_autocorrect"].settings, methods["ssd_r4"].settings
     assert (first.rounds, first.window, first.lookahead) == (1, 3, False)
     assert (second.rounds, second.window, second.lookahead, second.correction) == (4, 0, True, "prefix")
 
 
-@pytest.mark.parametrize("override,message", [
-    ("decode.presets.ssd_autocorrect.rounds=abc", "decode.presets.ssd_autocorrect.rounds must be an integer"),
-    ("decode.presets.ssd_autocorrect.rounds=-1", "decode.presets.ssd_autocorrect: SSD rounds"),
-    ("decode.presets.ssd_autocorrect.correction=both", "correction must be one of 'target', 'residual', 'prefix'"),
-    ("+decode.presets.ssd_autocorrect.windw=3", "decode.presets.ssd_autocorrect: unknown setting windw"),
-    ("decode.presets.mulo.delta=nan", "decode.presets.mulo.delta must be a finite number"),
-    ("decode.presets.ssd_autocorrect.generator=decode.medusa", "no generator module 'decode.medusa'"),
-    ("decode.presets.ssd_autocorrect.generator=decode.sampling", "declares no METHOD"),
-    ("decode.methods=ssd_exact", "decode.methods must be a list of preset names"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("decode.presets.ssd_autocorrect.rounds=abc", "decode.presets.ssd_autocorrect.rounds must be an integer"),
+        ("decode.presets.ssd_autocorrect.rounds=-1", "decode.presets.ssd_autocorrect: SSD rounds"),
+        ("decode.presets.ssd_autocorrect.correction=both", "correction must be one of 'target', 'residual', 'prefix'"),
+        ("+decode.presets.ssd_autocorrect.windw=3", "decode.presets.ssd_autocorrect: unknown setting windw"),
+        ("decode.presets.mulo.delta=nan", "decode.presets.mulo.delta must be a finite number"),
+        ("decode.presets.ssd_autocorrect.generator=decode.medusa", "no generator module 'decode.medusa'"),
+        ("decode.presets.ssd_autocorrect.generator=decode.sampling", "declares no METHOD"),
+        ("decode.methods=ssd_exact", "decode.methods must be a list of preset names"),
+    ],
+)
 def test_bad_presets_are_refused_naming_the_key(tmp_path, override, message):
     from decode.registry import check_methods
 
@@ -143,14 +181,17 @@ def test_bad_presets_are_refused_naming_the_key(tmp_path, override, message):
         check_methods(cfg.decode)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("decode.cfg_scale=abc", "decode.cfg_scale must be a number"),
-    ("decode.cfg_scale=nan", "decode.cfg_scale must be a finite number"),
-    ("decode.temperature=inf", "decode.temperature must be a finite number"),
-    ("decode.num_images=0", "decode.num_images must be >= 1"),
-    ("decode.seeds=1.5", "decode.seeds must be an integer"),
-    ("decode.greedy=maybe", "decode.greedy must be true or false"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("decode.cfg_scale=abc", "decode.cfg_scale must be a number"),
+        ("decode.cfg_scale=nan", "decode.cfg_scale must be a finite number"),
+        ("decode.temperature=inf", "decode.temperature must be a finite number"),
+        ("decode.num_images=0", "decode.num_images must be >= 1"),
+        ("decode.seeds=1.5", "decode.seeds must be an integer"),
+        ("decode.greedy=maybe", "decode.greedy must be true or false"),
+    ],
+)
 def test_bad_run_settings_are_refused_before_anything_is_built(tmp_path, override, message):
     cfg = compose_config(["backbone=digits_tiny", f"decode.out={tmp_path / 'out'}", override], tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -161,20 +202,39 @@ def test_bad_run_settings_are_refused_before_anything_is_built(tmp_path, overrid
 def test_seeds_run_every_method_again_and_interleaving_changes_no_token(tmp_path, classifier_cache):
     """decode.seeds=2 runs each method at seeds 0 and 1 (the band from one run); a method run beside others
     produces exactly the tokens it produces alone, at each seed."""
-    common = ["backbone=digits_tiny", "decode.num_images=4", "decode.batch_size=2", "decode.save_tokens=true",
-              f"decode.heads={tmp_path / 'heads'}", f"paths.checkpoints_dir={classifier_cache}"]
+    common = [
+        "backbone=digits_tiny",
+        "decode.num_images=4",
+        "decode.batch_size=2",
+        "decode.save_tokens=true",
+        f"decode.heads={tmp_path / 'heads'}",
+        f"paths.checkpoints_dir={classifier_cache}",
+    ]
     import hydra
 
     _export_tiny_heads(hydra.utils.instantiate(compose_config(common, tmp_path).backbone), tmp_path / "heads")
-    together = run_decode(compose_config([*common, "decode.methods=[ar,ssd_exact,ssd_autocorrect]", "decode.seeds=2",
-                                          f"decode.out={tmp_path / 'together'}"], tmp_path))
+    together = run_decode(
+        compose_config(
+            [
+                *common,
+                "decode.methods=[ar,ssd_exact,ssd_autocorrect]",
+                "decode.seeds=2",
+                f"decode.out={tmp_path / 'together'}",
+            ],
+            tmp_path,
+        )
+    )
     assert together["seeds"] == [0, 1]
     assert len(together["methods"]["ssd_exact"]["quality_per_seed"]) == 2
     low, high = together["baseline_band"]["classifier_accuracy"]
     assert low <= together["methods"]["ar"]["quality"]["classifier_accuracy"] <= high
     alone = tmp_path / "alone"
-    run_decode(compose_config([*common, "decode.methods=[ssd_exact]", "decode.seed=1", f"decode.out={alone}"], tmp_path))
-    assert np.array_equal(np.load(tmp_path / "together" / "tokens_ssd_exact_seed1.npy"),
-                          np.load(alone / "tokens_ssd_exact.npy"))
-    assert not np.array_equal(np.load(tmp_path / "together" / "tokens_ssd_exact.npy"),
-                              np.load(alone / "tokens_ssd_exact.npy"))  # seed 0 differs from seed 1
+    run_decode(
+        compose_config([*common, "decode.methods=[ssd_exact]", "decode.seed=1", f"decode.out={alone}"], tmp_path)
+    )
+    assert np.array_equal(
+        np.load(tmp_path / "together" / "tokens_ssd_exact_seed1.npy"), np.load(alone / "tokens_ssd_exact.npy")
+    )
+    assert not np.array_equal(
+        np.load(tmp_path / "together" / "tokens_ssd_exact.npy"), np.load(alone / "tokens_ssd_exact.npy")
+    )  # seed 0 differs from seed 1

@@ -40,9 +40,19 @@ def llamagen_heads(tmp_path):
 
 def test_llamagen_decodes_balanced_class_ids_with_ar_and_ssd(tmp_path, llamagen_heads, capsys):
     out = tmp_path / "out"
-    cfg = compose_config(["backbone=llamagen_tiny", "decode.methods=[ar,ssd_exact]", "decode.num_images=5",
-                          "decode.batch_size=2", "decode.greedy=true", "decode.save_tokens=true",
-                          f"decode.heads={llamagen_heads}", f"decode.out={out}"], tmp_path)
+    cfg = compose_config(
+        [
+            "backbone=llamagen_tiny",
+            "decode.methods=[ar,ssd_exact]",
+            "decode.num_images=5",
+            "decode.batch_size=2",
+            "decode.greedy=true",
+            "decode.save_tokens=true",
+            f"decode.heads={llamagen_heads}",
+            f"decode.out={out}",
+        ],
+        tmp_path,
+    )
     run_decode(cfg)
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics["methods"]) == ["ar", "ssd_exact"]
@@ -64,8 +74,10 @@ def test_llamagen_decodes_balanced_class_ids_with_ar_and_ssd(tmp_path, llamagen_
 
 
 def test_quality_asked_for_without_pixels_fails_before_generating(tmp_path, llamagen_heads):
-    cfg = compose_config(["backbone=llamagen_tiny", f"decode.quality.reference_dir={tmp_path}",
-                          f"decode.out={tmp_path / 'out'}"], tmp_path)
+    cfg = compose_config(
+        ["backbone=llamagen_tiny", f"decode.quality.reference_dir={tmp_path}", f"decode.out={tmp_path / 'out'}"],
+        tmp_path,
+    )
     with pytest.raises(ValueError, match=r"decode\.quality\.reference_dir=null"):
         run_decode(cfg)
     assert not (tmp_path / "out" / "metrics.json").exists()
@@ -83,13 +95,22 @@ def test_llamagen_with_pixels_writes_pngs_and_fid(tmp_path, llamagen_heads):
     save_reference_images(tmp_path / "ref", count=12)
     vq = save_tiny_vq(tmp_path / "vq.pt")
     out = tmp_path / "out"
-    cfg = compose_config(["backbone=llamagen_tiny", "backbone._target_=test_decode_cli_real.tiny_llamagen_with_pixels",
-                          f"+backbone.vq_path={vq}", "decode.methods=[ar,ssd_autocorrect]", "decode.num_images=6",
-                          "decode.batch_size=3", f"decode.heads={llamagen_heads}", f"decode.out={out}",
-                          f"decode.quality.reference_dir={tmp_path / 'ref'}",
-                          "decode.quality.fid_features={_target_:test_real_quality.TinyFeatures}",
-                          "decode.quality.clip=/nowhere"],  # class-conditional: the CLIP key is ignored
-                         tmp_path)
+    cfg = compose_config(
+        [
+            "backbone=llamagen_tiny",
+            "backbone._target_=test_decode_cli_real.tiny_llamagen_with_pixels",
+            f"+backbone.vq_path={vq}",
+            "decode.methods=[ar,ssd_autocorrect]",
+            "decode.num_images=6",
+            "decode.batch_size=3",
+            f"decode.heads={llamagen_heads}",
+            f"decode.out={out}",
+            f"decode.quality.reference_dir={tmp_path / 'ref'}",
+            "decode.quality.fid_features={_target_:test_real_quality.TinyFeatures}",
+            "decode.quality.clip=/nowhere",
+        ],  # class-conditional: the CLIP key is ignored
+        tmp_path,
+    )
     run_decode(cfg)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["quality_note"].startswith("fid")
@@ -117,25 +138,39 @@ def test_prompts_are_batched_by_token_length_in_order():
     assert sorted(i for indices, _ in batches for i in indices.tolist()) == list(range(6))
 
 
-@pytest.mark.parametrize("name, build", [("janus_tiny", "backbones.janus.random_janus_backbone"),
-                                         ("emu3_tiny", "backbones.emu3.random_emu3_backbone")])
+@pytest.mark.parametrize(
+    "name, build",
+    [("janus_tiny", "backbones.janus.random_janus_backbone"), ("emu3_tiny", "backbones.emu3.random_emu3_backbone")],
+)
 def test_text_to_image_decodes_prompts_with_fid_and_clip(tmp_path, name, build):
     import hydra
     from test_real_quality import save_reference_images, save_tiny_clip
 
     from backbones.base import Condition
-    from decode.conditions import load_prompts
     from decode import SamplingConfig, generate_ar
+    from decode.conditions import load_prompts
 
     backbone = hydra.utils.instantiate({"_target_": build, "seed": 0, "tokenizer": True})
     heads = export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
     save_reference_images(tmp_path / "ref", count=8)
     out = tmp_path / "out"
-    cfg = compose_config([f"backbone={name}", "++backbone.tokenizer=true", "decode.methods=[ar,ssd_exact]",
-                          "decode.num_images=5", "decode.batch_size=2", "decode.greedy=true", "decode.save_tokens=true",
-                          f"decode.heads={heads}", f"decode.out={out}", f"decode.quality.reference_dir={tmp_path / 'ref'}",
-                          "decode.quality.fid_features={_target_:test_real_quality.TinyFeatures}",
-                          f"decode.quality.clip={save_tiny_clip(tmp_path / 'clip')}"], tmp_path)
+    cfg = compose_config(
+        [
+            f"backbone={name}",
+            "++backbone.tokenizer=true",
+            "decode.methods=[ar,ssd_exact]",
+            "decode.num_images=5",
+            "decode.batch_size=2",
+            "decode.greedy=true",
+            "decode.save_tokens=true",
+            f"decode.heads={heads}",
+            f"decode.out={out}",
+            f"decode.quality.reference_dir={tmp_path / 'ref'}",
+            "decode.quality.fid_features={_target_:test_real_quality.TinyFeatures}",
+            f"decode.quality.clip={save_tiny_clip(tmp_path / 'clip')}",
+        ],
+        tmp_path,
+    )
     run_decode(cfg)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["conditions"] == {"kind": "prompts", "source": "smoke", "distinct": 5}
@@ -148,6 +183,8 @@ def test_text_to_image_decodes_prompts_with_fid_and_clip(tmp_path, name, build):
     tokens = np.load(out / "tokens_ar.npy")
     assert np.array_equal(np.load(out / "tokens_ssd_exact.npy"), tokens)
     prompts = load_prompts("smoke")[:5]
-    alone = [generate_ar(backbone, Condition(prompts=[p]), SamplingConfig(cfg_scale=3.0, greedy=True)).tokens[0]
-             for p in prompts]
+    alone = [
+        generate_ar(backbone, Condition(prompts=[p]), SamplingConfig(cfg_scale=3.0, greedy=True)).tokens[0]
+        for p in prompts
+    ]
     assert np.array_equal(torch.stack(alone).numpy(), tokens)

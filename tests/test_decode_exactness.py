@@ -25,17 +25,26 @@ def backbone3():
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
-@pytest.mark.parametrize("grid,config", [
-    (False, SSDDecodeConfig(mode="exact", horizontal_steps=2)),
-    (True, SSDDecodeConfig(mode="exact")),
-    (True, SSDDecodeConfig(mode="exact", grid_steps=1)),
-], ids=["horizontal-chains", "grid-redrafts", "grid-1-step"])
+@pytest.mark.parametrize(
+    "grid,config",
+    [
+        (False, SSDDecodeConfig(mode="exact", horizontal_steps=2)),
+        (True, SSDDecodeConfig(mode="exact")),
+        (True, SSDDecodeConfig(mode="exact", grid_steps=1)),
+    ],
+    ids=["horizontal-chains", "grid-redrafts", "grid-1-step"],
+)
 def test_sampled_exact_ssd_has_the_backbone_distribution(backbone3, sampling, grid, config):
     """40,000 images in one batch: every drafted chain, correction and re-draft at once."""
     truth = image_distribution(backbone3, CLASS_ID, sampling)
-    result = generate_ssd(backbone3, random_ssd_heads(16, seed=1, grid=grid),
-                          Condition(class_ids=torch.full((40_000,), CLASS_ID)), sampling,
-                          torch.Generator().manual_seed(0), config)
+    result = generate_ssd(
+        backbone3,
+        random_ssd_heads(16, seed=1, grid=grid),
+        Condition(class_ids=torch.full((40_000,), CLASS_ID)),
+        sampling,
+        torch.Generator().manual_seed(0),
+        config,
+    )
     assert 0.2 < result.accepted_tokens / result.drafted_tokens < 0.95  # drafts pass and fail: the rules run
     assert_sampled_from(result.tokens.flatten(1).tolist(), truth)
 
@@ -47,9 +56,14 @@ def test_sampled_windowed_ssd_has_the_backbone_distribution(grid):
     backbone = enumerable_backbone(grid_size=4, levels=2)
     sampling = SamplingConfig(cfg_scale=2.0)
     truth = image_distribution(backbone, CLASS_ID, sampling)
-    result = generate_ssd(backbone, random_ssd_heads(16, seed=1, grid=grid),
-                          Condition(class_ids=torch.full((40_000,), CLASS_ID)), sampling,
-                          torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", horizontal_steps=2, window=1))
+    result = generate_ssd(
+        backbone,
+        random_ssd_heads(16, seed=1, grid=grid),
+        Condition(class_ids=torch.full((40_000,), CLASS_ID)),
+        sampling,
+        torch.Generator().manual_seed(0),
+        SSDDecodeConfig(mode="exact", horizontal_steps=2, window=1),
+    )
     images = result.tokens.flatten(1)
     for top in range(3):
         positions = list(range(4 * top, 4 * top + 8))
@@ -66,8 +80,9 @@ def test_sampled_lookahead_has_the_backbone_distribution(backbone3):
     config = SSDDecodeConfig(mode="exact", lookahead=True)
     images, passes = [], []
     for _ in range(4000):
-        result = generate_ssd(backbone3, heads, Condition(class_ids=torch.tensor([CLASS_ID])), sampling, generator,
-                              config)
+        result = generate_ssd(
+            backbone3, heads, Condition(class_ids=torch.tensor([CLASS_ID])), sampling, generator, config
+        )
         images.append(result.tokens.flatten().tolist())
         passes.append(result.forward_passes)
     assert min(passes) <= 3  # prefill + fewer passes than rows: the early verification was used
@@ -85,13 +100,31 @@ def test_sampled_exact_mulo_has_the_backbone_distribution():
     sampling = SamplingConfig(cfg_scale=2.0)
     truth = image_distribution(backbone, CLASS_ID, sampling)
     torch.manual_seed(2)
-    drafter = MuLoDrafter(MuLoDrafterConfig(backbone_rows=4, backbone_cols=4, levels=2, scale=2, hidden_size=16,
-                                            num_layers=1, num_heads=1, intermediate_size=32)).eval()
-    result = generate_mulo(backbone, drafter, Condition(class_ids=torch.full((40_000,), CLASS_ID)), sampling,
-                           torch.Generator().manual_seed(0), MuLoDecodeConfig(mode="exact"))
+    drafter = MuLoDrafter(
+        MuLoDrafterConfig(
+            backbone_rows=4,
+            backbone_cols=4,
+            levels=2,
+            scale=2,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=1,
+            intermediate_size=32,
+        )
+    ).eval()
+    result = generate_mulo(
+        backbone,
+        drafter,
+        Condition(class_ids=torch.full((40_000,), CLASS_ID)),
+        sampling,
+        torch.Generator().manual_seed(0),
+        MuLoDecodeConfig(mode="exact"),
+    )
     assert 0.1 < result.accepted_tokens / result.drafted_tokens < 0.9  # point proposals pass and fail
     images = result.tokens.flatten(1)
     for first_row in (0, 1, 2):
         positions = list(range(4 * first_row, 4 * first_row + 8))
         pvalue = fit_pvalue(images[:, positions].tolist(), marginal(truth, positions))
-        assert pvalue > 1e-3 / 3, f"rows {first_row}-{first_row + 1} do not have the backbone's distribution (p = {pvalue:.2e})"
+        assert pvalue > 1e-3 / 3, (
+            f"rows {first_row}-{first_row + 1} do not have the backbone's distribution (p = {pvalue:.2e})"
+        )

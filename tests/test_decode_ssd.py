@@ -18,6 +18,7 @@ GREEDY = SamplingConfig(greedy=True)
 
 # ---- mock backbone: every pass count is known ------------------------------------------------
 
+
 def test_accept_all_costs_one_pass_per_row():
     backbone = MockBackbone(rows=4, cols=5)
     result = generate_ssd(backbone, MockHeads(7, 1, 1), Condition(class_ids=torch.zeros(2, dtype=torch.long)), GREEDY)
@@ -39,8 +40,9 @@ def test_reject_all_falls_back_to_one_token_per_pass():
 def test_partial_accept_horizontal_right_vertical_wrong():
     backbone = MockBackbone(rows=4, cols=5)
     config = SSDDecodeConfig(mode="exact", horizontal_steps=1)
-    result = generate_ssd(backbone, MockHeads(7, 1, 2), Condition(class_ids=torch.zeros(1, dtype=torch.long)), GREEDY,
-                          config=config)
+    result = generate_ssd(
+        backbone, MockHeads(7, 1, 2), Condition(class_ids=torch.zeros(1, dtype=torch.long)), GREEDY, config=config
+    )
     assert torch.equal(result.tokens[0], backbone.target_tokens())
     # Row 0 is drafted horizontally (right): 1 pass, 4 accepted.
     # Rows 1-3: position 1 horizontal (right), 2-4 vertical (wrong). Pass 1 accepts 1, corrects 2 and re-drafts 3
@@ -53,8 +55,9 @@ def test_partial_accept_horizontal_right_vertical_wrong():
 def test_autocorrect_resamples_every_rejection_in_the_same_pass():
     backbone = MockBackbone(rows=4, cols=5)
     config = SSDDecodeConfig(mode="autocorrect", rounds=0, correction="residual")
-    result = generate_ssd(backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(3, dtype=torch.long)), GREEDY,
-                          config=config)
+    result = generate_ssd(
+        backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(3, dtype=torch.long)), GREEDY, config=config
+    )
     # Context-free targets make the residual (= p) right everywhere: one pass per row, all tokens right.
     assert all(torch.equal(t, backbone.target_tokens()) for t in result.tokens)
     assert result.forward_passes == 1 + 4
@@ -63,8 +66,9 @@ def test_autocorrect_resamples_every_rejection_in_the_same_pass():
 def test_lookahead_verifies_the_next_row_in_the_pass_that_finishes_this_one():
     backbone = MockBackbone(rows=4, cols=5)
     config = SSDDecodeConfig(mode="exact", lookahead=True)
-    result = generate_ssd(backbone, MockHeads(7, 1, 1), Condition(class_ids=torch.zeros(2, dtype=torch.long)), GREEDY,
-                          config=config)
+    result = generate_ssd(
+        backbone, MockHeads(7, 1, 1), Condition(class_ids=torch.zeros(2, dtype=torch.long)), GREEDY, config=config
+    )
     assert all(torch.equal(t, backbone.target_tokens()) for t in result.tokens)
     # Rows 0+1 in one pass, rows 2+3 in the next. A row verified early has its first token drafted too
     # (rows 1 and 3: 5 drafts); a row starting its own pass gets it from the backbone (rows 0 and 2: 4).
@@ -74,18 +78,25 @@ def test_lookahead_verifies_the_next_row_in_the_pass_that_finishes_this_one():
 
 # ---- the real (tiny) digits backbone ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 @pytest.mark.parametrize("horizontal_steps", [0, 1, 3])
 @pytest.mark.parametrize("window", [0, 2])
 @pytest.mark.parametrize("grid", [False, True], ids=["vertical-drafts", "grid-drafts"])
-def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(tiny_backbone, cfg_scale, horizontal_steps, window,
-                                                                 grid):
+def test_greedy_exact_ssd_equals_greedy_ar_with_random_ssd_heads(
+    tiny_backbone, cfg_scale, horizontal_steps, window, grid
+):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=horizontal_steps, grid=grid)
-    speculative = generate_ssd(tiny_backbone, heads, condition, sampling,
-                               config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps, window=window))
+    speculative = generate_ssd(
+        tiny_backbone,
+        heads,
+        condition,
+        sampling,
+        config=SSDDecodeConfig(mode="exact", horizontal_steps=horizontal_steps, window=window),
+    )
     assert torch.equal(speculative.tokens, baseline.tokens)
     assert speculative.forward_passes <= baseline.forward_passes
 
@@ -99,10 +110,13 @@ def test_lookahead_stays_lossless(tiny_backbone, cfg_scale, confidence, grid):
     condition = Condition(class_ids=torch.tensor([0, 3, 7, 9]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=5, grid=grid)
-    for config in (SSDDecodeConfig(mode="exact", grid_steps=2, lookahead=True, lookahead_confidence=confidence),
-                   SSDDecodeConfig(mode="autocorrect", rounds=8, lookahead=True, lookahead_confidence=confidence)):
-        assert torch.equal(generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens,
-                           baseline.tokens)
+    for config in (
+        SSDDecodeConfig(mode="exact", grid_steps=2, lookahead=True, lookahead_confidence=confidence),
+        SSDDecodeConfig(mode="autocorrect", rounds=8, lookahead=True, lookahead_confidence=confidence),
+    ):
+        assert torch.equal(
+            generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens, baseline.tokens
+        )
 
 
 def test_lookahead_needs_whole_row_passes():
@@ -117,8 +131,13 @@ def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone, correction):
     sampling = SamplingConfig(greedy=True, cfg_scale=2.0)
     condition = Condition(class_ids=torch.tensor([1, 5]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
-    result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition, sampling,
-                          config=SSDDecodeConfig(mode="autocorrect", rounds=8, correction=correction))
+    result = generate_ssd(
+        tiny_backbone,
+        random_ssd_heads(tiny_backbone.hidden_size),
+        condition,
+        sampling,
+        config=SSDDecodeConfig(mode="autocorrect", rounds=8, correction=correction),
+    )
     assert torch.equal(result.tokens, baseline.tokens)
 
 
@@ -126,11 +145,15 @@ def test_autocorrect_with_enough_rounds_is_greedy_ar(tiny_backbone, correction):
 def test_autocorrect_costs_at_most_rounds_plus_one_passes_per_row(tiny_backbone, correction):
     condition = Condition(class_ids=torch.tensor([2, 4, 6]))
     for rounds in (0, 1, 2):
-        for window in ((0, 3) if correction == "prefix" else (0,)):
-            result = generate_ssd(tiny_backbone, random_ssd_heads(tiny_backbone.hidden_size), condition,
-                                  SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
-                                  SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction,
-                                                  window=window))
+        for window in (0, 3) if correction == "prefix" else (0,):
+            result = generate_ssd(
+                tiny_backbone,
+                random_ssd_heads(tiny_backbone.hidden_size),
+                condition,
+                SamplingConfig(cfg_scale=2.0),
+                torch.Generator().manual_seed(0),
+                SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction, window=window),
+            )
             assert result.forward_passes <= 1 + 8 * (rounds + 1)
 
 
@@ -141,10 +164,13 @@ def test_short_grid_redrafts_stay_lossless(tiny_backbone, grid_steps):
     condition = Condition(class_ids=torch.tensor([0, 6]))
     baseline = generate_ar(tiny_backbone, condition, sampling)
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=2, grid=True)
-    for config in (SSDDecodeConfig(mode="exact", grid_steps=grid_steps),
-                   SSDDecodeConfig(mode="autocorrect", rounds=8, grid_steps=grid_steps)):
-        assert torch.equal(generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens,
-                           baseline.tokens)
+    for config in (
+        SSDDecodeConfig(mode="exact", grid_steps=grid_steps),
+        SSDDecodeConfig(mode="autocorrect", rounds=8, grid_steps=grid_steps),
+    ):
+        assert torch.equal(
+            generate_ssd(tiny_backbone, heads, condition, sampling, config=config).tokens, baseline.tokens
+        )
 
 
 def test_grid_head_prepared_row_equals_the_whole_mlp():
@@ -155,17 +181,28 @@ def test_grid_head_prepared_row_equals_the_whole_mlp():
     whole = inputs[2] + grid.mlp(torch.cat([norm(x) for norm, x in zip(grid.norms, inputs)], dim=-1))
     prepared = grid.prepare_above(inputs[0], inputs[1])  # (batch, columns, width)
     for column in range(5):
-        torch.testing.assert_close(grid.from_above(prepared[:, column], inputs[2][:, column], inputs[3][:, column]),
-                                   whole[:, column])
+        torch.testing.assert_close(
+            grid.from_above(prepared[:, column], inputs[2][:, column], inputs[3][:, column]), whole[:, column]
+        )
     torch.testing.assert_close(grid(*inputs), whole)
     # The left token's share looked up from a per-codebook table (what decoding does per drafted token).
     codebook = torch.randn(7, 16)
     table, ids = grid.prepare_left_tokens(codebook), torch.tensor([3, 0, 6])
-    torch.testing.assert_close(grid.from_prepared(prepared[:, 2], inputs[2][:, 2], table[ids]),
-                               inputs[2][:, 2] + grid.mlp(torch.cat([grid.norms[0](inputs[0][:, 2]),
-                                                                     grid.norms[1](inputs[1][:, 2]),
-                                                                     grid.norms[2](inputs[2][:, 2]),
-                                                                     grid.norms[3](codebook[ids])], dim=-1)))
+    torch.testing.assert_close(
+        grid.from_prepared(prepared[:, 2], inputs[2][:, 2], table[ids]),
+        inputs[2][:, 2]
+        + grid.mlp(
+            torch.cat(
+                [
+                    grid.norms[0](inputs[0][:, 2]),
+                    grid.norms[1](inputs[1][:, 2]),
+                    grid.norms[2](inputs[2][:, 2]),
+                    grid.norms[3](codebook[ids]),
+                ],
+                dim=-1,
+            )
+        ),
+    )
 
 
 def test_grid_head_reads_the_positions_right_of_the_one_above():
@@ -179,10 +216,11 @@ def test_grid_head_reads_the_positions_right_of_the_one_above():
         torch.nn.init.normal_(parameter, std=0.5)
     above, above_embedding, left, left_embedding = torch.randn(4, 3, 5, 16)  # (batch, columns, hidden) each
     right = [torch.arange(shift, 5 + shift).clamp(max=4) for shift in (1, 2)]
-    explicit = torch.cat([grid.norms[0](above), grid.norms[1](above_embedding), grid.norms[2](left),
-                          grid.norms[3](left_embedding)]
-                         + [x for index in right for x in (grid.norms[0](above[:, index]),
-                                                           grid.norms[1](above_embedding[:, index]))], dim=-1)
+    explicit = torch.cat(
+        [grid.norms[0](above), grid.norms[1](above_embedding), grid.norms[2](left), grid.norms[3](left_embedding)]
+        + [x for index in right for x in (grid.norms[0](above[:, index]), grid.norms[1](above_embedding[:, index]))],
+        dim=-1,
+    )
     torch.testing.assert_close(grid(above, above_embedding, left, left_embedding), left + grid.mlp(explicit))
 
 
@@ -209,27 +247,38 @@ def exact_image_distribution(backbone, class_id: int, sampling: SamplingConfig) 
     return {tuple(image.tolist()): float(p) for image, p in zip(images, probs)}
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
-                         ids=["cfg", "temperature-topk"])
-@pytest.mark.parametrize("window,grid,grid_steps", [(0, False, 0), (1, False, 0), (0, True, 0), (0, True, 1)],
-                         ids=["whole-row", "window-1", "grid", "grid-1-step"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(cfg_scale=2.0), SamplingConfig(temperature=0.8, top_k=2)],
+    ids=["cfg", "temperature-topk"],
+)
+@pytest.mark.parametrize(
+    "window,grid,grid_steps",
+    [(0, False, 0), (1, False, 0), (0, True, 0), (0, True, 1)],
+    ids=["whole-row", "window-1", "grid", "grid-1-step"],
+)
 def test_sampled_exact_ssd_has_the_backbone_distribution(sampling, window, grid, grid_steps):
     """Chi-square goodness of fit of 40,000 SSD samples against the enumerated AR distribution."""
     backbone = sharpened_tiny_backbone()
     truth = exact_image_distribution(backbone, class_id=4, sampling=sampling)
     draws = 40_000
-    result = generate_ssd(backbone, random_ssd_heads(16, seed=1, grid=grid), Condition(class_ids=torch.full((draws,), 4)),
-                          sampling,
-                          torch.Generator().manual_seed(0),
-                          SSDDecodeConfig(mode="exact", window=window, grid_steps=grid_steps))
+    result = generate_ssd(
+        backbone,
+        random_ssd_heads(16, seed=1, grid=grid),
+        Condition(class_ids=torch.full((draws,), 4)),
+        sampling,
+        torch.Generator().manual_seed(0),
+        SSDDecodeConfig(mode="exact", window=window, grid_steps=grid_steps),
+    )
     assert result.accepted_tokens < result.drafted_tokens  # the test exercises rejections and residuals
     assert_sampled_from(result.tokens.flatten(1).tolist(), truth)
 
 
 def sharpened_tiny_backbone():
     """A 2x2-grid, 3-level random backbone whose image distribution can be enumerated and is far from uniform."""
-    backbone = random_digits_backbone(seed=3, grid_size=2, levels=3, hidden_size=16, num_layers=1, num_heads=1,
-                                      intermediate_size=32)
+    backbone = random_digits_backbone(
+        seed=3, grid_size=2, levels=3, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32
+    )
     with torch.no_grad():
         for parameter in backbone.parameters():
             parameter.mul_(3.0)
@@ -288,16 +337,25 @@ def passes_per_row(backbone, run) -> dict[int, int]:
     return counts
 
 
-@pytest.mark.parametrize("correction,window,grid", [("prefix", 0, False), ("prefix", 3, True), ("target", 0, False),
-                                                    ("residual", 0, True)])
+@pytest.mark.parametrize(
+    "correction,window,grid", [("prefix", 0, False), ("prefix", 3, True), ("target", 0, False), ("residual", 0, True)]
+)
 def test_autocorrect_spends_at_most_rounds_plus_one_passes_on_every_row(tiny_backbone, correction, window, grid):
     """The budget holds row by row (a row may not borrow the passes another row left unused)."""
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=3, grid=grid)
     for rounds in (0, 1, 2):
         config = SSDDecodeConfig(mode="autocorrect", rounds=rounds, correction=correction, window=window)
-        counts = passes_per_row(tiny_backbone, lambda: generate_ssd(
-            tiny_backbone, heads, Condition(class_ids=torch.tensor([2, 4, 6])), SamplingConfig(cfg_scale=2.0),
-            torch.Generator().manual_seed(0), config))
+        counts = passes_per_row(
+            tiny_backbone,
+            lambda config=config: generate_ssd(
+                tiny_backbone,
+                heads,
+                Condition(class_ids=torch.tensor([2, 4, 6])),
+                SamplingConfig(cfg_scale=2.0),
+                torch.Generator().manual_seed(0),
+                config,
+            ),
+        )
         assert max(counts.values()) <= rounds + 1, (rounds, counts)
         assert rounds == 0 or max(counts.values()) > 1  # random heads are rejected: the rounds are used
 
@@ -305,19 +363,40 @@ def test_autocorrect_spends_at_most_rounds_plus_one_passes_on_every_row(tiny_bac
 @pytest.mark.parametrize("mode", ["exact", "autocorrect"])
 def test_relaxed_ssd_with_zero_budget_is_the_exact_rule(tiny_backbone, mode):
     """LANTERN's relaxation with delta = 0 pools nothing: the same tokens and counts as without it, same seed."""
-    heads, condition = random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True), Condition(class_ids=torch.arange(4))
-    results = [generate_ssd(tiny_backbone, heads, condition, SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0),
-                            SSDDecodeConfig(mode=mode, rounds=2, relax_k=k, relax_delta=0.0)) for k in (0, 4)]
+    heads, condition = (
+        random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True),
+        Condition(class_ids=torch.arange(4)),
+    )
+    results = [
+        generate_ssd(
+            tiny_backbone,
+            heads,
+            condition,
+            SamplingConfig(cfg_scale=2.0),
+            torch.Generator().manual_seed(0),
+            SSDDecodeConfig(mode=mode, rounds=2, relax_k=k, relax_delta=0.0),
+        )
+        for k in (0, 4)
+    ]
     assert torch.equal(results[0].tokens, results[1].tokens)
     assert results[0].accepted_tokens == results[1].accepted_tokens
 
 
 def test_relaxed_ssd_accepts_more_drafts_as_the_budget_grows(tiny_backbone):
-    heads, condition = random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True), Condition(class_ids=torch.arange(4))
+    heads, condition = (
+        random_ssd_heads(tiny_backbone.hidden_size, seed=4, grid=True),
+        Condition(class_ids=torch.arange(4)),
+    )
     rates, passes = [], []
     for delta in (0.0, 0.2, 0.6):
-        result = generate_ssd(tiny_backbone, heads, condition, SamplingConfig(cfg_scale=2.0),
-                              torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", relax_k=4, relax_delta=delta))
+        result = generate_ssd(
+            tiny_backbone,
+            heads,
+            condition,
+            SamplingConfig(cfg_scale=2.0),
+            torch.Generator().manual_seed(0),
+            SSDDecodeConfig(mode="exact", relax_k=4, relax_delta=delta),
+        )
         rates.append(result.accepted_tokens / result.drafted_tokens)
         passes.append(result.forward_passes)
     assert rates[0] < rates[1] < rates[2]

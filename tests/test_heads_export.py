@@ -32,12 +32,21 @@ def test_round_trip_is_bit_exact(tiny_backbone, tmp_path):
     for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     readable = json.loads((tmp_path / CONFIG_FILE).read_text())
-    assert readable["kind"] == "ssd" and readable["backbone"]["geometry"] == {"rows": 8, "cols": 8, "end_of_line": False}
+    assert readable["kind"] == "ssd" and readable["backbone"]["geometry"] == {
+        "rows": 8,
+        "cols": 8,
+        "end_of_line": False,
+    }
 
 
-@pytest.mark.parametrize("change,named", [(dict(hidden_size=48, num_heads=2), "hidden_size"),
-                                          (dict(grid_size=12), "geometry"),
-                                          (dict(levels=16), "codebook_size")])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (dict(hidden_size=48, num_heads=2), "hidden_size"),
+        (dict(grid_size=12), "geometry"),
+        (dict(levels=16), "codebook_size"),
+    ],
+)
 def test_heads_for_another_backbone_are_refused(tiny_backbone, tmp_path, change, named):
     export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
     other = random_digits_backbone(**{**TINY_BACKBONE, **change})
@@ -97,5 +106,7 @@ def test_row_attention_heads_round_trip_and_stay_lossless(tiny_backbone, tmp_pat
     with torch.no_grad():
         assert torch.equal(loaded.vertical(*rows), heads.eval().vertical(*rows))
     condition, sampling = Condition(class_ids=torch.tensor([2, 8])), SamplingConfig(greedy=True, cfg_scale=2.0)
-    assert torch.equal(generate_ssd(tiny_backbone, loaded, condition, sampling).tokens,
-                       generate_ar(tiny_backbone, condition, sampling).tokens)
+    assert torch.equal(
+        generate_ssd(tiny_backbone, loaded, condition, sampling).tokens,
+        generate_ar(tiny_backbone, condition, sampling).tokens,
+    )

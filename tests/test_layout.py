@@ -19,8 +19,11 @@ def _project_imports(path: Path) -> set[str]:
     """The project packages a file imports (lazily inside functions too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+        )
         found.update(name.split(".")[0] for name in names if name.split(".")[0] in LAYERS)
     return found
 
@@ -28,8 +31,11 @@ def _project_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", LAYERS)
 def test_a_package_imports_only_the_layers_below_it(package):
     allowed = set(LAYERS[: LAYERS.index(package) + 1])
-    offenders = {f"{path.relative_to(ROOT)} imports {sorted(_project_imports(path) - allowed)}"
-                 for path in sorted((ROOT / package).rglob("*.py")) if _project_imports(path) - allowed}
+    offenders = {
+        f"{path.relative_to(ROOT)} imports {sorted(_project_imports(path) - allowed)}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if _project_imports(path) - allowed
+    }
     assert not offenders, "\n".join(sorted(offenders))
 
 

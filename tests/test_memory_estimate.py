@@ -18,8 +18,15 @@ from train.memory_estimate import (
     ssd_head_parameters,
 )
 
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=100, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_qwen2(**overrides) -> Qwen2ForCausalLM:
@@ -62,8 +69,17 @@ def test_kv_bytes_match_a_real_cache():
 
 
 def tiny_experiment(**overrides) -> Experiment:
-    settings = dict(name="tiny", build=tiny_qwen2, shape=lambda m: _hf_shape(m.config), rows=3, cols=4, end_of_line=True,
-                    prompt_tokens=5, codebook=16, batch_per_gpu=2)
+    settings = dict(
+        name="tiny",
+        build=tiny_qwen2,
+        shape=lambda m: _hf_shape(m.config),
+        rows=3,
+        cols=4,
+        end_of_line=True,
+        prompt_tokens=5,
+        codebook=16,
+        batch_per_gpu=2,
+    )
     return Experiment(**(settings | overrides))
 
 
@@ -91,8 +107,12 @@ def test_every_real_experiment_builds_on_meta_and_is_written_as_json(tmp_path, c
     assert xl["sequence"] == 1 + 24 * 24
     assert 7.5e9 < payload["experiments"]["tar-7b-s0"]["backbone_params"] < 8.5e9
     assert "llamagen-gpt-xl-384px" in capsys.readouterr().out
-    assert {e.name for e in EXPERIMENTS} >= {"emu3-gen-8b-720px", "janus-pro-7b-384px", "lumina-mgpt-7b-768px",
-                                             "llamagen-gpt-xxl-384px"}
+    assert {e.name for e in EXPERIMENTS} >= {
+        "emu3-gen-8b-720px",
+        "janus-pro-7b-384px",
+        "lumina-mgpt-7b-768px",
+        "llamagen-gpt-xxl-384px",
+    }
 
 
 def test_unknown_experiment_is_refused(tmp_path):

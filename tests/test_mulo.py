@@ -22,17 +22,27 @@ def backbone12():
 
 def random_drafter(scale=3, seed=1):
     torch.manual_seed(seed)
-    return MuLoDrafter(MuLoDrafterConfig(backbone_rows=12, backbone_cols=12, levels=8, scale=scale, hidden_size=16,
-                                         num_layers=1, num_heads=1, intermediate_size=32)).eval()
+    return MuLoDrafter(
+        MuLoDrafterConfig(
+            backbone_rows=12,
+            backbone_cols=12,
+            levels=8,
+            scale=scale,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=1,
+            intermediate_size=32,
+        )
+    ).eval()
 
 
 # ---- proposals ----------------------------------------------------------------------------------
 
+
 def test_block_proposals_take_the_drafters_cell_distribution_where_the_upsampler_kept_the_token():
     low_tokens = torch.tensor([[1, 2]])  # one low-res row of 2 cells, r = 2 -> a block of 2 rows x 4 columns
     low_q = torch.tensor([[[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]]])
-    block = torch.tensor([[1, 1, 2, 0,
-                           1, 2, 2, 2]])  # positions 3 and 5 were changed by the upsampler
+    block = torch.tensor([[1, 1, 2, 0, 1, 2, 2, 2]])  # positions 3 and 5 were changed by the upsampler
     q = block_proposals(low_tokens, low_q, block, scale=2)
     assert q.shape == (1, 8, 3)
     for position, cell in [(0, 0), (1, 0), (2, 1), (4, 0), (6, 1), (7, 1)]:
@@ -41,6 +51,7 @@ def test_block_proposals_take_the_drafters_cell_distribution_where_the_upsampler
 
 
 # ---- the upsampler -----------------------------------------------------------------------------
+
 
 def test_upsampler_round_trip_on_piecewise_constant_images(backbone12):
     drafter = random_drafter(scale=3).model
@@ -66,6 +77,7 @@ def test_interpolating_upsampler_blends_a_block_into_the_committed_rows_above(ba
 
 # ---- decoding ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_exact_mulo_equals_greedy_ar_with_a_random_drafter(backbone12, cfg_scale):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
@@ -76,8 +88,14 @@ def test_greedy_exact_mulo_equals_greedy_ar_with_a_random_drafter(backbone12, cf
 
 
 def test_relaxed_mode_costs_one_pass_per_drafted_block(backbone12):
-    result = generate_mulo(backbone12, random_drafter(), Condition(class_ids=torch.tensor([1, 2])),
-                           SamplingConfig(cfg_scale=2.0), torch.Generator().manual_seed(0), MuLoDecodeConfig())
+    result = generate_mulo(
+        backbone12,
+        random_drafter(),
+        Condition(class_ids=torch.tensor([1, 2])),
+        SamplingConfig(cfg_scale=2.0),
+        torch.Generator().manual_seed(0),
+        MuLoDecodeConfig(),
+    )
     assert result.forward_passes == 1 + 12 // 3
     assert result.tokens.shape == (2, 12, 12)
 
@@ -86,14 +104,26 @@ def test_relaxed_rounds_re_verify_blocks_with_resampled_islands(backbone12):
     condition, sampling = Condition(class_ids=torch.tensor([1, 2])), SamplingConfig(cfg_scale=2.0)
     passes = []
     for rounds in (0, 1, 3):
-        result = generate_mulo(backbone12, random_drafter(), condition, sampling, torch.Generator().manual_seed(0),
-                               MuLoDecodeConfig(rounds=rounds))
+        result = generate_mulo(
+            backbone12,
+            random_drafter(),
+            condition,
+            sampling,
+            torch.Generator().manual_seed(0),
+            MuLoDecodeConfig(rounds=rounds),
+        )
         assert result.forward_passes <= 1 + (12 // 3) * (rounds + 1)
         passes.append(result.forward_passes)
     assert passes[0] < passes[1] <= passes[2]  # a random drafter is rejected: the extra rounds are used
     # A block whose drafts all pass is not re-verified: pooling every other entry up to delta = 1 accepts all.
-    everything = generate_mulo(backbone12, random_drafter(), condition, sampling, torch.Generator().manual_seed(0),
-                               MuLoDecodeConfig(rounds=3, k=backbone12.codebook_size - 1, delta=1.0))
+    everything = generate_mulo(
+        backbone12,
+        random_drafter(),
+        condition,
+        sampling,
+        torch.Generator().manual_seed(0),
+        MuLoDecodeConfig(rounds=3, k=backbone12.codebook_size - 1, delta=1.0),
+    )
     assert everything.forward_passes == 1 + 12 // 3
 
 
@@ -113,6 +143,7 @@ def test_rounds_settle_open_tokens_in_raster_order_so_greedy_mulo_can_be_greedy_
 
 # ---- export --------------------------------------------------------------------------------------
 
+
 def test_drafter_export_round_trip_and_refusal(backbone12, tmp_path):
     drafter = random_drafter()
     export_heads(drafter, tmp_path, backbone12.identity())
@@ -129,10 +160,20 @@ def test_drafter_export_round_trip_and_refusal(backbone12, tmp_path):
 def test_mulo_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     from train.pipeline import run_training
 
-    overrides = ["+experiment=mulo_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=mulo_tiny",
-                 "trainer=debug", "trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-                 f"export.dir={tmp_path / 'drafter'}", f"paths.root_dir={tmp_path}",
-                 f"paths.checkpoints_dir={classifier_cache}", "train.evaluate.num_images=4"]
+    overrides = [
+        "+experiment=mulo_digits",
+        "backbone=digits_tiny",
+        "data=corpus_tiny",
+        "head=mulo_tiny",
+        "trainer=debug",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        f"export.dir={tmp_path / 'drafter'}",
+        f"paths.root_dir={tmp_path}",
+        f"paths.checkpoints_dir={classifier_cache}",
+        "train.evaluate.num_images=4",
+    ]
     run_training(compose_config(overrides, tmp_path / "run"))
     assert load_heads(tmp_path / "drafter", kind="mulo").config.scale == 2
     import json

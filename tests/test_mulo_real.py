@@ -20,8 +20,8 @@ from backbones.lumina import random_lumina_backbone, tiny_lumina_prompt
 from backbones.tar import random_tar_backbone
 from decode import SamplingConfig, generate_ar
 from decode.mulo import MuLoDecodeConfig, generate_mulo
-from heads.export import HEADS_FILE, HeadsMismatchError, export_heads, load_heads
 from decode.mulo_resampling import downsample_latents, downsample_to_drafter, upsample_latents, upsample_to_backbone
+from heads.export import HEADS_FILE, HeadsMismatchError, export_heads, load_heads
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig, MuLoLlamaDrafterModel
 
 TINY_DRAFTER = dict(scale=2, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32)
@@ -37,16 +37,32 @@ def _tar():
 # name -> (tiny 4x4 backbone, a condition of two images, the family's CFG scale)
 ADAPTERS = {
     "llamagen": (lambda: random_llamagen_backbone(seed=0), lambda: Condition(class_ids=torch.tensor([1, 8])), 4.0),
-    "janus": (lambda: random_janus_backbone(seed=0),
-              lambda: Condition(token_ids=torch.tensor([[1, 10, 11, 12, 13, 2], [1, 20, 21, 22, 23, 2]])), 3.0),
-    "emu3": (lambda: random_emu3_backbone(seed=0, rows=4, cols=4),
-             lambda: Condition(token_ids=torch.tensor([[1, 21, 22, 23, 24, 3, 14, 20, 14, 4],
-                                                       [1, 25, 26, 27, 28, 3, 14, 20, 14, 4]])), 3.0),
-    "lumina": (lambda: random_lumina_backbone(seed=0, rows=4, cols=4),
-               lambda: Condition(token_ids=torch.tensor([tiny_lumina_prompt([10, 11, 12], rows=4, cols=4),
-                                                         tiny_lumina_prompt([20, 21, 22], rows=4, cols=4)])), 3.0),
-    "tar": (_tar, lambda: Condition(token_ids=torch.tensor([[5, 21, 22, 23, 24, 30, 31], [5, 25, 26, 27, 28, 30, 31]])),
-            3.0),
+    "janus": (
+        lambda: random_janus_backbone(seed=0),
+        lambda: Condition(token_ids=torch.tensor([[1, 10, 11, 12, 13, 2], [1, 20, 21, 22, 23, 2]])),
+        3.0,
+    ),
+    "emu3": (
+        lambda: random_emu3_backbone(seed=0, rows=4, cols=4),
+        lambda: Condition(
+            token_ids=torch.tensor([[1, 21, 22, 23, 24, 3, 14, 20, 14, 4], [1, 25, 26, 27, 28, 3, 14, 20, 14, 4]])
+        ),
+        3.0,
+    ),
+    "lumina": (
+        lambda: random_lumina_backbone(seed=0, rows=4, cols=4),
+        lambda: Condition(
+            token_ids=torch.tensor(
+                [tiny_lumina_prompt([10, 11, 12], rows=4, cols=4), tiny_lumina_prompt([20, 21, 22], rows=4, cols=4)]
+            )
+        ),
+        3.0,
+    ),
+    "tar": (
+        _tar,
+        lambda: Condition(token_ids=torch.tensor([[5, 21, 22, 23, 24, 30, 31], [5, 25, 26, 27, 28, 30, 31]])),
+        3.0,
+    ),
 }
 
 
@@ -61,6 +77,7 @@ def random_drafter(backbone, seed: int = 1, std: float = 0.3) -> MuLoDrafter:
 
 
 # ---- the drafter follows its backbone ----------------------------------------------------------
+
 
 @pytest.mark.filterwarnings(NO_CODEBOOK)
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
@@ -115,6 +132,7 @@ def test_config_errors_name_the_fix():
 
 # ---- the latent resampler ------------------------------------------------------------------------
 
+
 def test_latent_resampling_round_trips_piecewise_constant_grids():
     codebook = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     low = torch.randint(0, 16, (3, 3, 5))
@@ -153,6 +171,7 @@ def test_tiny_llamagen_without_a_codebook_warns_and_uses_its_input_embeddings():
 
 # ---- decoding: lossless on every family --------------------------------------------------------
 
+
 @pytest.mark.filterwarnings(NO_CODEBOOK)
 @pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
@@ -161,15 +180,17 @@ def test_greedy_exact_mulo_equals_greedy_ar_with_a_random_drafter(name, guided):
     backbone, condition = make_backbone(), make_condition()
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale if guided else 1.0)
     baseline = generate_ar(backbone, condition, sampling)
-    result = generate_mulo(backbone, random_drafter(backbone), condition, sampling,
-                           config=MuLoDecodeConfig(mode="exact"))
+    result = generate_mulo(
+        backbone, random_drafter(backbone), condition, sampling, config=MuLoDecodeConfig(mode="exact")
+    )
     assert torch.equal(result.tokens, baseline.tokens)
     assert result.forward_passes >= 1 + 4 // 2  # at least one pass per drafted block
 
 
 def test_the_llama_design_also_drafts_for_the_digits_backbone_losslessly():
-    backbone = random_digits_backbone(grid_size=8, levels=8, hidden_size=32, num_layers=2, num_heads=2,
-                                      intermediate_size=64)
+    backbone = random_digits_backbone(
+        grid_size=8, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
     torch.manual_seed(1)
     drafter = MuLoDrafter(MuLoDrafterConfig.for_backbone(backbone, design="llama", **TINY_DRAFTER)).eval()
     condition, sampling = Condition(class_ids=torch.tensor([0, 3, 7])), SamplingConfig(greedy=True, cfg_scale=3.0)
@@ -183,21 +204,33 @@ def test_the_llama_design_also_drafts_for_the_digits_backbone_losslessly():
 def test_relaxed_mulo_runs_one_pass_per_block_on_backbones_with_a_codebook(name):
     make_backbone, make_condition, cfg_scale = ADAPTERS[name]
     backbone = make_backbone()
-    result = generate_mulo(backbone, random_drafter(backbone), make_condition(), SamplingConfig(cfg_scale=cfg_scale),
-                           torch.Generator().manual_seed(0), MuLoDecodeConfig(k=4, delta=0.2, radius=1))
+    result = generate_mulo(
+        backbone,
+        random_drafter(backbone),
+        make_condition(),
+        SamplingConfig(cfg_scale=cfg_scale),
+        torch.Generator().manual_seed(0),
+        MuLoDecodeConfig(k=4, delta=0.2, radius=1),
+    )
     assert result.tokens.shape == (2, 4, 4) and result.forward_passes == 1 + 4 // 2
 
 
 def test_a_drafter_of_another_backbone_is_refused_when_decoding():
     janus, lumina = random_janus_backbone(seed=0), random_lumina_backbone(seed=0, rows=4, cols=4)
     with pytest.raises(ValueError, match="family: drafter LuminaBackbone"):
-        generate_mulo(janus, random_drafter(lumina), ADAPTERS["janus"][1](), SamplingConfig(greedy=True),
-                      config=MuLoDecodeConfig(mode="exact"))
+        generate_mulo(
+            janus,
+            random_drafter(lumina),
+            ADAPTERS["janus"][1](),
+            SamplingConfig(greedy=True),
+            config=MuLoDecodeConfig(mode="exact"),
+        )
     with pytest.raises(ValueError, match="grid: drafter 4x4, backbone 3x4"):
         random_drafter(lumina).bind(random_lumina_backbone(seed=0))
 
 
 # ---- training ----------------------------------------------------------------------------------
+
 
 def test_prompt_drafter_learns_through_its_projection_only():
     from train.mulo_module import MuLoDistillation
@@ -228,6 +261,7 @@ def test_class_drafter_loss_on_a_corpus_batch():
 
 # ---- export --------------------------------------------------------------------------------------
 
+
 def test_drafter_export_round_trip_and_refusal_of_another_backbone(tmp_path):
     janus = random_janus_backbone(seed=0)
     drafter = random_drafter(janus)
@@ -242,8 +276,10 @@ def test_drafter_export_round_trip_and_refusal_of_another_backbone(tmp_path):
     condition = ADAPTERS["janus"][1]()
     sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
     exact = MuLoDecodeConfig(mode="exact")
-    assert torch.equal(generate_mulo(janus, loaded, condition, sampling, config=exact).tokens,
-                       generate_mulo(janus, drafter, condition, sampling, config=exact).tokens)
+    assert torch.equal(
+        generate_mulo(janus, loaded, condition, sampling, config=exact).tokens,
+        generate_mulo(janus, drafter, condition, sampling, config=exact).tokens,
+    )
     with pytest.raises(HeadsMismatchError, match="family"):
         load_heads(tmp_path, random_lumina_backbone(seed=0, rows=4, cols=4))
     with pytest.raises(HeadsMismatchError, match="grid|geometry"):
@@ -260,16 +296,35 @@ def test_a_drafter_record_that_contradicts_the_backbone_is_refused(tmp_path):
 
 
 def test_exports_of_the_first_digits_drafter_format_still_load(tmp_path):
-    backbone = random_digits_backbone(grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2,
-                                      intermediate_size=64)
-    drafter = MuLoDrafter(MuLoDrafterConfig(backbone_rows=12, backbone_cols=12, levels=8, scale=3, hidden_size=16,
-                                            num_layers=1, num_heads=1, intermediate_size=32))
+    backbone = random_digits_backbone(
+        grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
+    )
+    drafter = MuLoDrafter(
+        MuLoDrafterConfig(
+            backbone_rows=12,
+            backbone_cols=12,
+            levels=8,
+            scale=3,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=1,
+            intermediate_size=32,
+        )
+    )
     export_heads(drafter, tmp_path, backbone.identity())
     # Rewrite the export as the first format wrote it: the eight original head fields only.
     path = tmp_path / HEADS_FILE
     config = json.loads((tmp_path / "heads.json").read_text())
-    legacy = ["backbone_rows", "backbone_cols", "levels", "scale", "hidden_size", "num_layers", "num_heads",
-              "intermediate_size"]
+    legacy = [
+        "backbone_rows",
+        "backbone_cols",
+        "levels",
+        "scale",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "intermediate_size",
+    ]
     config["head"] = {key: config["head"][key] for key in legacy}
     save_file(load_file(path), path, metadata={"config": json.dumps(config)})
     loaded = load_heads(tmp_path, backbone, kind="mulo")
@@ -281,25 +336,46 @@ def test_exports_of_the_first_digits_drafter_format_still_load(tmp_path):
 # ---- the experiments ---------------------------------------------------------------------------
 
 # The real experiments, shrunk: tiny backbone on the CPU, tiny corpus, tiny drafter, two steps.
-TINY_RUN = ["backbone.device=cpu", "data=corpus_tiny", "head=mulo_tiny", "trainer=debug", "trainer.max_steps=2",
-            "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.batch_size=4",
-            "data.spec.num_images=16", "data.spec.shard_size=8", "data.spec.batch_size=8"]
+TINY_RUN = [
+    "backbone.device=cpu",
+    "data=corpus_tiny",
+    "head=mulo_tiny",
+    "trainer=debug",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "data.batch_size=4",
+    "data.spec.num_images=16",
+    "data.spec.shard_size=8",
+    "data.spec.batch_size=8",
+]
 
 
 def _tiny_run(tmp_path, experiment: str, overrides: list[str]):
     from train.pipeline import run_training
 
-    cfg = compose_config([f"+experiment={experiment}", *overrides, *TINY_RUN, f"export.dir={tmp_path / 'drafter'}",
-                          f"paths.root_dir={tmp_path}", f"paths.checkpoints_dir={tmp_path / 'checkpoints'}"],
-                         tmp_path / "run")
+    cfg = compose_config(
+        [
+            f"+experiment={experiment}",
+            *overrides,
+            *TINY_RUN,
+            f"export.dir={tmp_path / 'drafter'}",
+            f"paths.root_dir={tmp_path}",
+            f"paths.checkpoints_dir={tmp_path / 'checkpoints'}",
+        ],
+        tmp_path / "run",
+    )
     assert cfg.module.drafter.scale == 2 and cfg.train.evaluate is None
     run_training(cfg)
 
 
 @pytest.mark.filterwarnings(NO_CODEBOOK)
 def test_mulo_llamagen_experiment_trains_and_exports_on_the_tiny_backbone(tmp_path):
-    _tiny_run(tmp_path, "mulo_llamagen", ["backbone=llamagen_tiny", "data.spec.num_classes=10",
-                                          "callbacks.samples.every_n_steps=2"])
+    _tiny_run(
+        tmp_path,
+        "mulo_llamagen",
+        ["backbone=llamagen_tiny", "data.spec.num_classes=10", "callbacks.samples.every_n_steps=2"],
+    )
     assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()  # token ids as grey levels (no VQ decoder)
     backbone = random_llamagen_backbone(seed=0)
     drafter = load_heads(tmp_path / "drafter", backbone, kind="mulo")

@@ -16,8 +16,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from backbones.base import Condition
-from backbones.base import group_by_prompt_length
+from backbones.base import Condition, group_by_prompt_length
 from data.corpus import grouped_teacher_forced_hidden
 from heads.export import load_heads
 from train.pipeline import run_training
@@ -31,11 +30,23 @@ RAGGED = ["a red cat", "a photo of a blue dog in the sky", "a cat", "a green tre
 def tiny_experiment(model: str, tmp_path, extra: list[str] = ()) -> list[str]:
     """`+experiment=ssd_<model>` shrunk: tiny backbone on CPU, 8-image corpus, CPU trainer, 2 steps."""
     overrides = [
-        f"+experiment=ssd_{model}", f"backbone={model}_tiny", "backbone.device=cpu", "data=corpus_tiny",
-        "trainer=cpu", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-        "trainer.enable_model_summary=false", "logger=csv", "data.batch_size=3", "data.shuffle_buffer=4",
-        "data.spec.num_images=8", "data.spec.shard_size=4", "data.spec.batch_size=4",
-        f"paths.root_dir={tmp_path}", f"export.dir={tmp_path / 'export'}",
+        f"+experiment=ssd_{model}",
+        f"backbone={model}_tiny",
+        "backbone.device=cpu",
+        "data=corpus_tiny",
+        "trainer=cpu",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "trainer.enable_model_summary=false",
+        "logger=csv",
+        "data.batch_size=3",
+        "data.shuffle_buffer=4",
+        "data.spec.num_images=8",
+        "data.spec.shard_size=4",
+        "data.spec.batch_size=4",
+        f"paths.root_dir={tmp_path}",
+        f"export.dir={tmp_path / 'export'}",
     ]
     if model in TEXT_TO_IMAGE:
         overrides.append("+backbone.tokenizer=true")
@@ -46,7 +57,9 @@ def tiny_experiment(model: str, tmp_path, extra: list[str] = ()) -> list[str]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_real_experiment_trains_two_steps_and_exports_loadable_heads(model, tmp_path):
-    extra = ["callbacks.samples.every_n_steps=2", "callbacks.samples.num_images=3"] if model in ("emu3", "janus") else []
+    extra = (
+        ["callbacks.samples.every_n_steps=2", "callbacks.samples.num_images=3"] if model in ("emu3", "janus") else []
+    )
     cfg = compose_config(tiny_experiment(model, tmp_path, extra), tmp_path / "run")
     assert cfg.trainer.precision == "32-true" and cfg.data.spec.store_hidden is False  # online mode on CPU
     metrics = run_training(cfg)
@@ -57,7 +70,9 @@ def test_real_experiment_trains_two_steps_and_exports_loadable_heads(model, tmp_
     assert heads.config.row_attention_layers == 1
     corpus = next((tmp_path / "corpora").iterdir())
     manifest = json.loads((corpus / "corpus.json").read_text())
-    assert manifest["complete"] and manifest["spec"]["conditions"] == ("class_ids" if model == "llamagen" else "prompts")
+    assert manifest["complete"] and manifest["spec"]["conditions"] == (
+        "class_ids" if model == "llamagen" else "prompts"
+    )
     if model in ("emu3", "janus"):  # the sample grid decoded prompts of different lengths
         assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()
 
@@ -70,8 +85,13 @@ def test_real_experiments_compose_with_the_published_settings(model, tmp_path, m
     assert cfg.backbone.device == "cuda:3"  # every rank (torchrun / Lightning: LOCAL_RANK, SLURM) on its own GPU
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert cfg.backbone.device == "cuda:5"
-    published = {"emu3": (3.0, 2048, 90), "janus": (5.0, 0, None), "lumina": (3.0, 2000, 48),
-                 "llamagen": (4.0, 2000, None), "tar": (1.0, 1200, 27)}[model]
+    published = {
+        "emu3": (3.0, 2048, 90),
+        "janus": (5.0, 0, None),
+        "lumina": (3.0, 2000, 48),
+        "llamagen": (4.0, 2000, None),
+        "tar": (1.0, 1200, 27),
+    }[model]
     assert (cfg.decode.cfg_scale, cfg.decode.top_k) == published[:2]
     if published[2] is not None:
         assert cfg.backbone.rows == cfg.backbone.cols == published[2]

@@ -63,11 +63,25 @@ def save_tiny_clip(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     end = vocab["<|endoftext|>"]
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"],
-                         eos_token_id=end, pad_token_id=end),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
+        text_config=dict(
+            vocab_size=len(vocab),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=vocab["<|startoftext|>"],
+            eos_token_id=end,
+            pad_token_id=end,
+        ),
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
         projection_dim=8,
     )
     CLIPModel(config).eval().save_pretrained(directory)
@@ -126,7 +140,9 @@ def test_clip_score_with_a_tiny_random_clip_loaded_by_path(tmp_path):
 
 
 def test_missing_clip_names_the_download_and_the_key(tmp_path):
-    with pytest.raises(QualitySetupError, match=r"huggingface-cli download openai/clip-vit-large-patch14[\s\S]*decode\.quality\.clip="):
+    with pytest.raises(
+        QualitySetupError, match=r"huggingface-cli download openai/clip-vit-large-patch14[\s\S]*decode\.quality\.clip="
+    ):
         RealQuality(clip=tmp_path / "nowhere")
 
 

@@ -17,8 +17,8 @@ from decode.rules import (
     residual_distribution,
 )
 
-
 # ---- exact speculative sampling ------------------------------------------------------------------
+
 
 def test_drafts_pass_with_probability_min_one_p_over_q():
     p_x = torch.tensor([0.2, 0.2, 0.5, 0.0])
@@ -51,7 +51,9 @@ def test_residual_is_exact_speculative_sampling_by_enumeration():
 
 def test_point_residual_removes_the_rejected_token_and_renormalises():
     p = torch.tensor([[0.5, 0.3, 0.2], [0.0, 1.0, 0.0]])
-    torch.testing.assert_close(point_residual(p, torch.tensor([0, 1])), torch.tensor([[0.0, 0.6, 0.4], [0.0, 1.0, 0.0]]))
+    torch.testing.assert_close(
+        point_residual(p, torch.tensor([0, 1])), torch.tensor([[0.0, 0.6, 0.4], [0.0, 1.0, 0.0]])
+    )
 
 
 def test_autocorrect_uses_the_residual_at_the_first_rejection_and_p_after_it():
@@ -66,6 +68,7 @@ def test_autocorrect_uses_the_residual_at_the_first_rejection_and_p_after_it():
 
 
 # ---- relaxed acceptance (LANTERN) ----------------------------------------------------------------
+
 
 def test_latent_neighbours_are_nearest_first():
     latents = torch.tensor([[0.0], [0.1], [0.3], [0.35], [1.0]])
@@ -103,8 +106,12 @@ def test_relaxed_acceptance_divides_by_the_proposal_probability():
     q_x = torch.tensor([0.4, 0.4, 0.3, 0.3])
     u = torch.tensor([0.45, 0.55, 0.99, 0.0])
     # delta = 0: accept with probability min(1, p(x) / q(x)): 0.5, 0.5, 1, 1
-    assert relaxed_accept(p, x, neighbours, 0.0, greedy=False, uniform=u, q_of_tokens=q_x).tolist() == \
-        [True, False, True, True]
+    assert relaxed_accept(p, x, neighbours, 0.0, greedy=False, uniform=u, q_of_tokens=q_x).tolist() == [
+        True,
+        False,
+        True,
+        True,
+    ]
     # delta = 0.5: x=0 pools p(1) -> min(1, 0.7 / 0.4) = 1
     assert relaxed_accept(p, x, neighbours, 0.5, greedy=False, uniform=u, q_of_tokens=q_x).all()
     # a drafter that proposes exactly p is always accepted, whatever the uniform
@@ -113,6 +120,7 @@ def test_relaxed_acceptance_divides_by_the_proposal_probability():
 
 
 # ---- islands -----------------------------------------------------------------------------------
+
 
 def test_islands_are_8_connected_and_grow_by_the_radius_within_borders():
     rejected = torch.zeros(1, 3, 8, dtype=torch.bool)
@@ -127,8 +135,6 @@ def test_islands_are_8_connected_and_grow_by_the_radius_within_borders():
     far = torch.zeros(1, 3, 8, dtype=torch.bool)
     far[0, 1, 1] = far[0, 1, 5] = True
     assert count_islands(islands(far, radius=1)) == [2] and count_islands(islands(far, radius=2)) == [1]  # merges
-
-
 
 
 def test_island_cells_are_redrawn_from_the_residual_where_rejected_and_from_p_where_pulled_in():

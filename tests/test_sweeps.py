@@ -10,10 +10,25 @@ from conftest import PROJECT_ROOT
 
 @pytest.mark.slow
 def test_two_by_two_sweep_completes_with_a_four_row_summary(tmp_path):
-    command = [sys.executable, "-m", "train", "-m", "+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny",
-               "head=ssd_tiny", "trainer=debug", "trainer.max_steps=2", "trainer.val_check_interval=2",
-               "trainer.limit_val_batches=1", "train.evaluate=null", f"paths.root_dir={tmp_path}",
-               "head.width=8,16", "module.optimizer.lr=0.001,0.002", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "train",
+        "-m",
+        "+experiment=ssd_digits",
+        "backbone=digits_tiny",
+        "data=corpus_tiny",
+        "head=ssd_tiny",
+        "trainer=debug",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "train.evaluate=null",
+        f"paths.root_dir={tmp_path}",
+        "head.width=8,16",
+        "module.optimizer.lr=0.001,0.002",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
@@ -40,11 +55,26 @@ def test_optuna_sweeper_config_composes():
 
 @pytest.mark.slow
 def test_optuna_sweep_runs_two_trials(tmp_path):
-    command = [sys.executable, "-m", "train", "-m", "hydra/sweeper=optuna_search", "hydra.sweeper.n_trials=2",
-               "+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=ssd_tiny",
-               "trainer=debug", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-               "train.evaluate=null", f"paths.root_dir={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-               "hydra.sweeper.params={head.width: 'choice(8, 16)'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "train",
+        "-m",
+        "hydra/sweeper=optuna_search",
+        "hydra.sweeper.n_trials=2",
+        "+experiment=ssd_digits",
+        "backbone=digits_tiny",
+        "data=corpus_tiny",
+        "head=ssd_tiny",
+        "trainer=debug",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "train.evaluate=null",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "hydra.sweeper.params={head.width: 'choice(8, 16)'}",
+    ]
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
@@ -60,16 +90,30 @@ def test_a_decode_setting_swept_with_multirun_lands_in_one_summary_table(tmp_pat
 
     backbone = hydra.utils.instantiate(compose_config(["backbone=digits_tiny"], tmp_path).backbone)
     export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
-    command = [sys.executable, "-m", "decode", "-m", "backbone=digits_tiny", "decode.methods=[ar,ssd_autocorrect]",
-               "decode.presets.ssd_autocorrect.rounds=0,2", "decode.num_images=2", "decode.batch_size=2",
-               f"decode.heads={tmp_path / 'heads'}", f"paths.checkpoints_dir={classifier_cache}",
-               f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "decode",
+        "-m",
+        "backbone=digits_tiny",
+        "decode.methods=[ar,ssd_autocorrect]",
+        "decode.presets.ssd_autocorrect.rounds=0,2",
+        "decode.num_images=2",
+        "decode.batch_size=2",
+        f"decode.heads={tmp_path / 'heads'}",
+        f"paths.checkpoints_dir={classifier_cache}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [(row["job"], row["method"]) for row in rows] == [("0", "ar"), ("0", "ssd_autocorrect"), ("1", "ar"),
-                                                            ("1", "ssd_autocorrect")]
+    assert [(row["job"], row["method"]) for row in rows] == [
+        ("0", "ar"),
+        ("0", "ssd_autocorrect"),
+        ("1", "ar"),
+        ("1", "ssd_autocorrect"),
+    ]
     assert "rounds=0" in rows[1]["overrides"] and "rounds=2" in rows[3]["overrides"]
     # rounds bound the passes: 8 rows of an 8x8 image, at most rounds + 1 passes each, plus the prefill
     assert float(rows[1]["forward_passes_per_image"]) == 1 + 8 < float(rows[3]["forward_passes_per_image"])

@@ -11,8 +11,16 @@ from heads.export import load_heads
 from train.pipeline import run_training
 from train.ssd_module import SSDDistillation
 
-TINY_SSD = ["+experiment=ssd_digits", "backbone=digits_tiny", "data=corpus_tiny", "head=ssd_tiny", "trainer=debug",
-            "trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+TINY_SSD = [
+    "+experiment=ssd_digits",
+    "backbone=digits_tiny",
+    "data=corpus_tiny",
+    "head=ssd_tiny",
+    "trainer=debug",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+]
 
 
 def test_corpus_is_built_once_resumes_and_records_hidden_states(tiny_backbone, tmp_path):
@@ -50,9 +58,16 @@ def test_only_head_parameters_are_optimised(tiny_backbone):
 
 def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     export = tmp_path / "export"
-    cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"paths.root_dir={tmp_path}",
-                                     f"paths.checkpoints_dir={classifier_cache}", "callbacks.samples.every_n_steps=2"],
-                         tmp_path / "run")
+    cfg = compose_config(
+        TINY_SSD
+        + [
+            f"export.dir={export}",
+            f"paths.root_dir={tmp_path}",
+            f"paths.checkpoints_dir={classifier_cache}",
+            "callbacks.samples.every_n_steps=2",
+        ],
+        tmp_path / "run",
+    )
     metrics = run_training(cfg)
     assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()  # the periodic sample grid
     assert 0 < metrics["val/acceptance"] <= 1
@@ -61,10 +76,20 @@ def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert not any(k.startswith("backbone.") for k in checkpoint["state_dict"])  # heads only
     out = tmp_path / "decode"
-    cfg = compose_config(TINY_SSD + [f"export.dir={export}", f"decode.out={out}", "decode.num_images=4",
-                                     "decode.batch_size=2", "decode.greedy=true", "decode.save_tokens=true",
-                                     "decode.methods=[ar,ssd_exact,ssd_autocorrect]",
-                                     f"paths.checkpoints_dir={classifier_cache}"], tmp_path / "run2")
+    cfg = compose_config(
+        TINY_SSD
+        + [
+            f"export.dir={export}",
+            f"decode.out={out}",
+            "decode.num_images=4",
+            "decode.batch_size=2",
+            "decode.greedy=true",
+            "decode.save_tokens=true",
+            "decode.methods=[ar,ssd_exact,ssd_autocorrect]",
+            f"paths.checkpoints_dir={classifier_cache}",
+        ],
+        tmp_path / "run2",
+    )
     report = run_decode(cfg)
     import numpy as np
 
@@ -113,8 +138,12 @@ def test_a_bad_config_value_fails_at_start_naming_the_key(tmp_path):
 
 def test_grid_head_targets_line_up_with_the_state_they_predict(tiny_backbone):
     """A grid head that returned the true state would have zero loss: the unrolled inputs and targets align."""
-    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, grid=True, horizontal_unroll=2),
-                             optimizer=torch.optim.AdamW, cfg_scale=1.0)
+    module = SSDDistillation(
+        tiny_backbone,
+        head=dict(width=16, depth=1, grid=True, horizontal_unroll=2),
+        optimizer=torch.optim.AdamW,
+        cfg_scale=1.0,
+    )
     rows, cols, size = 4, 5, tiny_backbone.hidden_size
     # States that encode their own grid position: the target of (r, c) is recognisable.
     hidden = torch.arange(rows * cols, dtype=torch.float32).view(1, rows, cols, 1).expand(1, rows, cols, size)
@@ -143,8 +172,13 @@ def test_tv_weight_adds_the_expected_rejection_rate_of_every_prediction(tiny_bac
     totals = {}
     for tv_weight in (0.0, 2.0):
         torch.manual_seed(0)
-        module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, horizontal_unroll=1),
-                                 optimizer=torch.optim.AdamW, cfg_scale=3.0, tv_weight=tv_weight)
+        module = SSDDistillation(
+            tiny_backbone,
+            head=dict(width=16, depth=1, horizontal_unroll=1),
+            optimizer=torch.optim.AdamW,
+            cfg_scale=3.0,
+            tv_weight=tv_weight,
+        )
         totals[tv_weight], logs = module.losses(batch, noise=False)
     # One vertical and one horizontal prediction: the TV term is 2 * ((1 - acc_v) + (1 - acc_h)).
     expected = 2.0 * (2 - logs["acceptance_vertical"] - logs["acceptance_horizontal"])
@@ -155,8 +189,9 @@ def test_grid_heads_train_and_log_their_acceptance(tiny_backbone, tmp_path):
     spec = CorpusSpec(num_images=4, shard_size=4, batch_size=4, store_hidden=True, cfg_scale=3.0)
     build_corpus(tiny_backbone, tmp_path, spec)
     batch = torch.utils.data.default_collate(list(corpus_dataset(tmp_path, [shard_name(0)])))
-    module = SSDDistillation(tiny_backbone, head=dict(width=16, depth=1, grid=True), optimizer=torch.optim.AdamW,
-                             cfg_scale=3.0)
+    module = SSDDistillation(
+        tiny_backbone, head=dict(width=16, depth=1, grid=True), optimizer=torch.optim.AdamW, cfg_scale=3.0
+    )
     loss, logs = module.losses(batch, noise=True)
     assert torch.isfinite(loss) and 0 < float(logs["acceptance_grid"]) <= 1
     loss.backward()

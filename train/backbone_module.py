@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytorch_lightning as pl
 import torch
@@ -17,8 +17,13 @@ from train.schedules import warmup_cosine
 class DigitsBackboneTraining(pl.LightningModule):
     """Next-token cross-entropy on digit grids, with class dropout for classifier-free guidance."""
 
-    def __init__(self, architecture: dict, optimizer: Callable[..., torch.optim.Optimizer],
-                 class_dropout: float = 0.1, warmup_steps: int = 100):
+    def __init__(
+        self,
+        architecture: dict,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        class_dropout: float = 0.1,
+        warmup_steps: int = 100,
+    ):
         super().__init__()
         if not 0 <= class_dropout < 1:
             raise ValueError(f"module.class_dropout must be in [0, 1), got {class_dropout}")

@@ -21,8 +21,8 @@ import torch
 
 from backbones.digits import DigitsBackbone
 from common.atomic_io import atomic_write_text
-from data.corpus import batch_condition
 from common.paths import PROJECT_ROOT
+from data.corpus import batch_condition
 from train.ssd_module import SSDDistillation
 
 
@@ -49,8 +49,10 @@ def main() -> dict:
     module = SSDDistillation(backbone, head=dict(width=args.width), optimizer=torch.optim.AdamW, cfg_scale=3.0)
     optimizer = torch.optim.AdamW(module.heads.parameters(), lr=1e-4)
     n = backbone.geometry.num_tokens
-    batch = {"tokens": torch.randint(0, backbone.codebook_size, (args.batch_size, n)),
-             "class_id": torch.randint(0, 10, (args.batch_size,))}
+    batch = {
+        "tokens": torch.randint(0, backbone.codebook_size, (args.batch_size, n)),
+        "class_id": torch.randint(0, 10, (args.batch_size,)),
+    }
     condition = batch_condition(batch)
     recorded = backbone.teacher_forced_hidden(condition, batch["tokens"], guided=True)  # (2B, N, H)
     offline_batch = {**batch, "hidden": recorded.view(2, args.batch_size, n, -1).transpose(0, 1).half()}
@@ -65,7 +67,8 @@ def main() -> dict:
         "batch_size": args.batch_size,
         "torch_threads": torch.get_num_threads(),
         "teacher_forward_seconds": _median_seconds(
-            lambda: backbone.teacher_forced_hidden(condition, batch["tokens"], guided=True), args.repeats),
+            lambda: backbone.teacher_forced_hidden(condition, batch["tokens"], guided=True), args.repeats
+        ),
         "online_step_seconds": _median_seconds(lambda: train_step(batch), args.repeats),
         "offline_step_seconds": _median_seconds(lambda: train_step(offline_batch), args.repeats),
     }

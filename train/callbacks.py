@@ -21,7 +21,9 @@ class SampleGrid(pl.Callback):
 
     def __init__(self, every_n_steps: int = 200, num_images: int = 10):
         if every_n_steps < 1 or num_images < 1:
-            raise ValueError(f"callbacks.samples every_n_steps and num_images must be >= 1, got {every_n_steps}, {num_images}")
+            raise ValueError(
+                f"callbacks.samples every_n_steps and num_images must be >= 1, got {every_n_steps}, {num_images}"
+            )
         self.every_n_steps, self.num_images = every_n_steps, num_images
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:

@@ -27,8 +27,10 @@ def wandb_logger(project: str, name: str, save_dir: str, **kwargs) -> WandbLogge
     offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_found()
     if offline:
         os.environ["WANDB_MODE"] = "offline"
-        message = (f"wandb: no credentials found (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}/wandb; "
-                   "upload later with `wandb sync`")
+        message = (
+            f"wandb: no credentials found (WANDB_API_KEY or `wandb login`): logging offline to {save_dir}/wandb; "
+            "upload later with `wandb sync`"
+        )
         log.warning(message)
         print(f"[train] {message}")
     Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -139,8 +139,14 @@ def ssd_head_parameters(hidden: int, width: int | None = None, depth: int = 2) -
         return count_parameters(SSDHeads(SSDHeadConfig(hidden_size=hidden, width=width or hidden, depth=depth)))
 
 
-def estimate(experiment: Experiment, backbone_params: int, shape: TransformerShape, head_params: int,
-             batch: int | None = None, decode_batches: tuple[int, ...] = (1, 16)) -> Estimate:
+def estimate(
+    experiment: Experiment,
+    backbone_params: int,
+    shape: TransformerShape,
+    head_params: int,
+    batch: int | None = None,
+    decode_batches: tuple[int, ...] = (1, 16),
+) -> Estimate:
     """The memory terms of `experiment` at `batch` training images per GPU (default: its own)."""
     batch = batch or experiment.batch_per_gpu
     rows = experiment.twins * batch  # teacher rows: [cond; uncond]
@@ -159,11 +165,20 @@ def estimate(experiment: Experiment, backbone_params: int, shape: TransformerSha
     student = predictions * (head_activations + logits)
     per_image = (teacher_kv + teacher_activations + student) // batch
     decode_kv = {b: shape.kv_bytes_per_token * length * experiment.twins * b for b in decode_batches}
-    return Estimate(experiment=experiment.name, backbone_params=backbone_params, head_params=head_params,
-                    batch_per_gpu=batch, sequence=length, weights=backbone_params * BF16,
-                    heads_adam=head_params * (FP32 + FP32 + 2 * FP32), teacher_kv=teacher_kv,
-                    teacher_activations=teacher_activations, student=student, decode_kv=decode_kv,
-                    per_image=per_image)
+    return Estimate(
+        experiment=experiment.name,
+        backbone_params=backbone_params,
+        head_params=head_params,
+        batch_per_gpu=batch,
+        sequence=length,
+        weights=backbone_params * BF16,
+        heads_adam=head_params * (FP32 + FP32 + 2 * FP32),
+        teacher_kv=teacher_kv,
+        teacher_activations=teacher_activations,
+        student=student,
+        decode_kv=decode_kv,
+        per_image=per_image,
+    )
 
 
 # ---- the published shapes ---------------------------------------------------------------------------
@@ -175,9 +190,14 @@ def estimate(experiment: Experiment, backbone_params: int, shape: TransformerSha
 def _hf_shape(text_config) -> TransformerShape:
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return TransformerShape(layers=text_config.num_hidden_layers, hidden=text_config.hidden_size,
-                            intermediate=text_config.intermediate_size, heads=heads,
-                            kv_heads=text_config.num_key_value_heads or heads, head_dim=head_dim)
+    return TransformerShape(
+        layers=text_config.num_hidden_layers,
+        hidden=text_config.hidden_size,
+        intermediate=text_config.intermediate_size,
+        heads=heads,
+        kv_heads=text_config.num_key_value_heads or heads,
+        head_dim=head_dim,
+    )
 
 
 def _emu3() -> nn.Module:
@@ -185,12 +205,21 @@ def _emu3() -> nn.Module:
     # VQ tokenizer BAAI/Emu3-VisionTokenizer: 32,768 codes, 8x spatial downsampling (720 px -> 90 x 90).
     from transformers import Emu3Config, Emu3ForConditionalGeneration
 
-    text = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=184622, max_position_embeddings=9216, rope_theta=1_000_000.0)
+    text = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=184622,
+        max_position_embeddings=9216,
+        rope_theta=1_000_000.0,
+    )
     # The vocabulary map only places the visual tokens in the vocabulary; the ids do not change any count.
     vocabulary = {f"<|visual token {i:06d}|>": 151854 + i for i in range(32768)} | {"<|extra_200|>": 151843}
-    return Emu3ForConditionalGeneration(Emu3Config(text_config=text, vq_config={"codebook_size": 32768},
-                                                   vocabulary_map=vocabulary))
+    return Emu3ForConditionalGeneration(
+        Emu3Config(text_config=text, vq_config={"codebook_size": 32768}, vocabulary_map=vocabulary)
+    )
 
 
 def _janus() -> nn.Module:
@@ -199,11 +228,22 @@ def _janus() -> nn.Module:
     # understanding encoder; generation VQ 16,384 codes of 8 dims, 384 px -> 24 x 24; gen head 4096 wide.
     from transformers import JanusConfig, JanusForConditionalGeneration
 
-    text = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=30, num_attention_heads=32,
-                num_key_value_heads=32, vocab_size=102400, max_position_embeddings=16384, tie_word_embeddings=False)
-    config = JanusConfig(text_config=text, vision_config={"projection_dim": 4096},
-                         vq_config={"projection_dim": 4096, "image_token_embed_dim": 4096, "num_patches": 24},
-                         tie_word_embeddings=False)  # the language model's lm_head is its own matrix
+    text = dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=30,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=102400,
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+    )
+    config = JanusConfig(
+        text_config=text,
+        vision_config={"projection_dim": 4096},
+        vq_config={"projection_dim": 4096, "image_token_embed_dim": 4096, "num_patches": 24},
+        tie_word_embeddings=False,
+    )  # the language model's lm_head is its own matrix
     return JanusForConditionalGeneration(config)
 
 
@@ -212,9 +252,17 @@ def _lumina() -> nn.Module:
     # qk-layernorm, vocabulary 65,536 of which 8,192 Chameleon VQGAN codes; 768 px -> 48 x 48 + an EOL per row.
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
-    config = ChameleonConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                             num_key_value_heads=32, vocab_size=65536, max_position_embeddings=10240,
-                             qk_layernorm=True, vocabulary_map=_chameleon_vocabulary())
+    config = ChameleonConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=65536,
+        max_position_embeddings=10240,
+        qk_layernorm=True,
+        vocabulary_map=_chameleon_vocabulary(),
+    )
     return ChameleonForConditionalGeneration(config)
 
 
@@ -231,8 +279,15 @@ def _tar() -> nn.Module:
     # (vocabulary size assumed, not read from the checkpoint); scale <S0> = 27 x 27 tokens.
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                         num_key_value_heads=4, vocab_size=151665 + 65536, tie_word_embeddings=False)
+    config = Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=151665 + 65536,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -241,8 +296,15 @@ def _tar_1_5b() -> nn.Module:
     # tied embeddings) with the same 65,536 image codes (vocabulary size assumed as for Tar-7B).
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151665 + 65536, tie_word_embeddings=True)
+    config = Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151665 + 65536,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -259,8 +321,14 @@ def _llamagen(model: str) -> Callable[[], nn.Module]:
 
 def _llamagen_shape(backbone: nn.Module) -> TransformerShape:
     c = backbone.config
-    return TransformerShape(layers=c.n_layer, hidden=c.dim, intermediate=c.ffn_hidden, heads=c.n_head,
-                            kv_heads=c.kv_heads, head_dim=c.head_dim)
+    return TransformerShape(
+        layers=c.n_layer,
+        hidden=c.dim,
+        intermediate=c.ffn_hidden,
+        heads=c.n_head,
+        kv_heads=c.kv_heads,
+        head_dim=c.head_dim,
+    )
 
 
 def _text_config(model: nn.Module):
@@ -269,20 +337,90 @@ def _text_config(model: nn.Module):
 
 
 EXPERIMENTS = [
-    Experiment("emu3-gen-8b-720px", _emu3, lambda m: _hf_shape(_text_config(m)), 90, 90, True, 128, 32768,
-               batch_per_gpu=1, source="BAAI/Emu3-Gen"),
-    Experiment("janus-pro-7b-384px", _janus, lambda m: _hf_shape(_text_config(m)), 24, 24, False, 128, 16384,
-               batch_per_gpu=8, source="deepseek-ai/Janus-Pro-7B"),
-    Experiment("lumina-mgpt-7b-768px", _lumina, lambda m: _hf_shape(_text_config(m)), 48, 48, True, 128, 8192,
-               batch_per_gpu=2, source="Alpha-VLLM/Lumina-mGPT-7B-768"),
-    Experiment("llamagen-gpt-xl-384px", _llamagen("GPT-XL"), _llamagen_shape, 24, 24, False, 1, 16384,
-               batch_per_gpu=16, source="FoundationVision/LlamaGen c2i_XL_384.pt"),
-    Experiment("llamagen-gpt-xxl-384px", _llamagen("GPT-XXL"), _llamagen_shape, 24, 24, False, 1, 16384,
-               batch_per_gpu=16, source="FoundationVision/LlamaGen c2i_XXL_384.pt"),
-    Experiment("tar-7b-s0", _tar, lambda m: _hf_shape(_text_config(m)), 27, 27, False, 128, 65536,
-               batch_per_gpu=8, source="csuhan/Tar-7B"),
-    Experiment("tar-1.5b-s0", _tar_1_5b, lambda m: _hf_shape(_text_config(m)), 27, 27, False, 128, 65536,
-               batch_per_gpu=8, source="csuhan/Tar-1.5B"),
+    Experiment(
+        "emu3-gen-8b-720px",
+        _emu3,
+        lambda m: _hf_shape(_text_config(m)),
+        90,
+        90,
+        True,
+        128,
+        32768,
+        batch_per_gpu=1,
+        source="BAAI/Emu3-Gen",
+    ),
+    Experiment(
+        "janus-pro-7b-384px",
+        _janus,
+        lambda m: _hf_shape(_text_config(m)),
+        24,
+        24,
+        False,
+        128,
+        16384,
+        batch_per_gpu=8,
+        source="deepseek-ai/Janus-Pro-7B",
+    ),
+    Experiment(
+        "lumina-mgpt-7b-768px",
+        _lumina,
+        lambda m: _hf_shape(_text_config(m)),
+        48,
+        48,
+        True,
+        128,
+        8192,
+        batch_per_gpu=2,
+        source="Alpha-VLLM/Lumina-mGPT-7B-768",
+    ),
+    Experiment(
+        "llamagen-gpt-xl-384px",
+        _llamagen("GPT-XL"),
+        _llamagen_shape,
+        24,
+        24,
+        False,
+        1,
+        16384,
+        batch_per_gpu=16,
+        source="FoundationVision/LlamaGen c2i_XL_384.pt",
+    ),
+    Experiment(
+        "llamagen-gpt-xxl-384px",
+        _llamagen("GPT-XXL"),
+        _llamagen_shape,
+        24,
+        24,
+        False,
+        1,
+        16384,
+        batch_per_gpu=16,
+        source="FoundationVision/LlamaGen c2i_XXL_384.pt",
+    ),
+    Experiment(
+        "tar-7b-s0",
+        _tar,
+        lambda m: _hf_shape(_text_config(m)),
+        27,
+        27,
+        False,
+        128,
+        65536,
+        batch_per_gpu=8,
+        source="csuhan/Tar-7B",
+    ),
+    Experiment(
+        "tar-1.5b-s0",
+        _tar_1_5b,
+        lambda m: _hf_shape(_text_config(m)),
+        27,
+        27,
+        False,
+        128,
+        65536,
+        batch_per_gpu=8,
+        source="csuhan/Tar-1.5B",
+    ),
 ]
 
 
@@ -291,25 +429,35 @@ def estimate_experiment(experiment: Experiment, batch: int | None = None) -> Est
     with torch.device("meta"):
         model = experiment.build()
     shape = experiment.shape(model)
-    return estimate(experiment, count_parameters(model), shape,
-                    ssd_head_parameters(shape.hidden, depth=experiment.head_depth), batch)
+    return estimate(
+        experiment,
+        count_parameters(model),
+        shape,
+        ssd_head_parameters(shape.hidden, depth=experiment.head_depth),
+        batch,
+    )
 
 
 def format_table(estimates: list[Estimate], gpu_bytes: int) -> str:
     """The estimates as a fixed-width table in GiB."""
-    header = (f"{'experiment':<24}{'params':>8}{'heads':>7}{'batch':>6}{'seq':>6}{'weights':>9}{'heads+adam':>11}"
-              f"{'teacher':>9}{'student':>9}{'train':>8}{f'max@{gpu_bytes / GB:.0f}G':>9}"
-              f"{'dec KV b1':>10}{'dec KV b16':>11}")
+    header = (
+        f"{'experiment':<24}{'params':>8}{'heads':>7}{'batch':>6}{'seq':>6}{'weights':>9}{'heads+adam':>11}"
+        f"{'teacher':>9}{'student':>9}{'train':>8}{f'max@{gpu_bytes / GB:.0f}G':>9}"
+        f"{'dec KV b1':>10}{'dec KV b16':>11}"
+    )
     lines = [header, "-" * len(header)]
     for e in estimates:
         lines.append(
             f"{e.experiment:<24}{e.backbone_params / 1e9:>7.2f}B{e.head_params / 1e6:>6.0f}M{e.batch_per_gpu:>6}"
             f"{e.sequence:>6}{e.weights / GB:>9.1f}{e.heads_adam / GB:>11.2f}"
             f"{(e.teacher_kv + e.teacher_activations) / GB:>9.1f}{e.student / GB:>9.1f}{e.train_total / GB:>8.1f}"
-            f"{e.max_batch(gpu_bytes):>9}{e.decode_kv[1] / GB:>10.2f}{e.decode_kv[16] / GB:>11.2f}")
-    lines.append("GiB per GPU; train = weights + heads+adam + teacher (KV + activations) + student; "
-                 "max = training images per GPU that fit; dec KV: decode KV cache at batch 1 / 16 (CFG twins). "
-                 "CUDA context and fragmentation (~1-3 GB) not included.")
+            f"{e.max_batch(gpu_bytes):>9}{e.decode_kv[1] / GB:>10.2f}{e.decode_kv[16] / GB:>11.2f}"
+        )
+    lines.append(
+        "GiB per GPU; train = weights + heads+adam + teacher (KV + activations) + student; "
+        "max = training images per GPU that fit; dec KV: decode KV cache at batch 1 / 16 (CFG twins). "
+        "CUDA context and fragmentation (~1-3 GB) not included."
+    )
     return "\n".join(lines)
 
 
@@ -332,8 +480,11 @@ def main(argv: list[str] | None = None) -> dict:
             experiment = replace(experiment, prompt_tokens=args.prompt_tokens)
         estimates.append(estimate_experiment(experiment, args.batch))
     print(format_table(estimates, gpu_bytes))
-    payload = {"gpu_gib": args.gpu_gb, "units": "bytes",
-               "experiments": {e.experiment: e.to_dict(gpu_bytes) for e in estimates}}
+    payload = {
+        "gpu_gib": args.gpu_gb,
+        "units": "bytes",
+        "experiments": {e.experiment: e.to_dict(gpu_bytes) for e in estimates},
+    }
     atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
     print(f"[memory] wrote {args.out}")
     return payload

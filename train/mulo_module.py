@@ -10,18 +10,17 @@ vector), so it has an unconditional twin for CFG, like the backbone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from backbones.base import ARImageBackbone, Condition
-from backbones.base import group_by_prompt_length
+from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
 from data.corpus import batch_condition
-from heads.export import export_heads
 from decode.mulo_resampling import downsample_to_drafter, resampling_latents
+from heads.export import export_heads
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from train.schedules import warmup_cosine
 
@@ -34,8 +33,15 @@ class MuLoDistillation(pl.LightningModule):
     `class_dropout` is the condition dropout rate, for class ids and prompts alike.
     """
 
-    def __init__(self, backbone: ARImageBackbone, drafter: dict, optimizer: Callable[..., torch.optim.Optimizer],
-                 class_dropout: float = 0.1, warmup_steps: int = 50, cfg_scale: float = 3.0):
+    def __init__(
+        self,
+        backbone: ARImageBackbone,
+        drafter: dict,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        class_dropout: float = 0.1,
+        warmup_steps: int = 50,
+        cfg_scale: float = 3.0,
+    ):
         super().__init__()
         if not 0 <= class_dropout < 1:
             raise ValueError(f"module.class_dropout must be in [0, 1), got {class_dropout}")
@@ -66,8 +72,14 @@ class MuLoDistillation(pl.LightningModule):
         geometry, config = self.backbone.geometry, self.drafter.config
         small = self.drafter.bind(self.backbone)
         with torch.no_grad():
-            low = downsample_to_drafter(batch["tokens"].view(-1, geometry.rows, geometry.cols), self.backbone, small,
-                                        config.scale, config.resample, self.resampling_latents()).flatten(1)  # (B, n_low)
+            low = downsample_to_drafter(
+                batch["tokens"].view(-1, geometry.rows, geometry.cols),
+                self.backbone,
+                small,
+                config.scale,
+                config.resample,
+                self.resampling_latents(),
+            ).flatten(1)  # (B, n_low)
         condition = batch_condition(batch)
         dropped = None
         if drop_classes:  # condition dropout teaches the null condition used by CFG
@@ -91,8 +103,12 @@ class MuLoDistillation(pl.LightningModule):
         return bits * math.log(2)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val/bits_per_token", self.bits_per_token(batch, drop_classes=False), prog_bar=True,
-                 batch_size=batch["tokens"].shape[0])
+        self.log(
+            "val/bits_per_token",
+            self.bits_per_token(batch, drop_classes=False),
+            prog_bar=True,
+            batch_size=batch["tokens"].shape[0],
+        )
 
     def _sample_conditions(self, num_images: int) -> Condition:
         num_classes = getattr(self.backbone, "num_classes", None)
@@ -124,8 +140,13 @@ class MuLoDistillation(pl.LightningModule):
             mode = "relaxed"
         except NotImplementedError:
             mode = "exact"
-        result = generate_mulo(self.backbone, self.drafter, self._sample_conditions(num_images),
-                               SamplingConfig(cfg_scale=self.cfg_scale, greedy=True), config=MuLoDecodeConfig(mode=mode))
+        result = generate_mulo(
+            self.backbone,
+            self.drafter,
+            self._sample_conditions(num_images),
+            SamplingConfig(cfg_scale=self.cfg_scale, greedy=True),
+            config=MuLoDecodeConfig(mode=mode),
+        )
         self.drafter.train(was_training)
         try:
             images = self.backbone.tokens_to_pixels(result.tokens)
@@ -143,5 +164,6 @@ class MuLoDistillation(pl.LightningModule):
 
     def export(self, directory: str | Path) -> Path:
         """heads.safetensors + heads.json (kind "mulo", the drafter's shape and r), checked against the backbone."""
-        return export_heads(self.drafter, directory, self.backbone.identity(),
-                            extra={"training": {"step": int(self.global_step)}})
+        return export_heads(
+            self.drafter, directory, self.backbone.identity(), extra={"training": {"step": int(self.global_step)}}
+        )

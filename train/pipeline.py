@@ -72,8 +72,10 @@ def run_training(cfg: DictConfig) -> dict:
             # Sweep jobs must not overwrite each other's export: each keeps its own in its job folder.
             with open_dict(cfg):
                 cfg.export.dir = str(Path(cfg.paths.output_dir) / "export")
-        atomic_write_text(Path(cfg.paths.output_dir) / "metrics.json",
-                          json.dumps({"overrides": overrides, "metrics": metrics}, indent=2) + "\n")
+        atomic_write_text(
+            Path(cfg.paths.output_dir) / "metrics.json",
+            json.dumps({"overrides": overrides, "metrics": metrics}, indent=2) + "\n",
+        )
         export_dir = module.export(cfg.export.dir)
         log.info("exported to %s", export_dir)
         print(f"[train] exported {cfg.experiment_name} to {export_dir}")
@@ -97,6 +99,8 @@ def evaluate_export(cfg: DictConfig, export_dir: Path) -> dict:
         eval_cfg.decode.seeds = settings.get("seeds", 1)
         eval_cfg.decode.heads = str(export_dir)
         eval_cfg.decode.out = str(Path(cfg.paths.output_dir) / "evaluation")
-    print(f"[train] evaluating {export_dir}: {settings.num_images} images at batch {settings.batch_size}, "
-          f"{eval_cfg.decode.seeds} seed(s) per method, against the KV-cached baseline")
+    print(
+        f"[train] evaluating {export_dir}: {settings.num_images} images at batch {settings.batch_size}, "
+        f"{eval_cfg.decode.seeds} seed(s) per method, against the KV-cached baseline"
+    )
     return run_decode(eval_cfg)

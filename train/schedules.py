@@ -7,8 +7,9 @@ import math
 import torch
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  final_fraction: float = 0.05) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_fraction: float = 0.05
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up for `warmup_steps`, then cosine decay to `final_fraction` of the peak at `total_steps`."""
     total_steps = max(total_steps, warmup_steps + 1)
 

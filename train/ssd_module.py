@@ -26,8 +26,8 @@ backbones).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytorch_lightning as pl
 import torch
@@ -43,9 +43,17 @@ from train.schedules import warmup_cosine
 class SSDDistillation(pl.LightningModule):
     """Trains SSD heads; the backbone is frozen, only head parameters reach the optimizer."""
 
-    def __init__(self, backbone: ARImageBackbone, head: dict, optimizer: Callable[..., torch.optim.Optimizer],
-                 cfg_scale: float = 3.0, hidden_loss_weight: float = 1.0, kl_weight: float = 0.1,
-                 warmup_steps: int = 50, tv_weight: float = 0.0):
+    def __init__(
+        self,
+        backbone: ARImageBackbone,
+        head: dict,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        cfg_scale: float = 3.0,
+        hidden_loss_weight: float = 1.0,
+        kl_weight: float = 0.1,
+        warmup_steps: int = 50,
+        tv_weight: float = 0.0,
+    ):
         super().__init__()
         if cfg_scale < 0 or hidden_loss_weight < 0 or kl_weight < 0 or tv_weight < 0:
             raise ValueError("module.cfg_scale, hidden_loss_weight, kl_weight and tv_weight must be >= 0")
@@ -88,7 +96,9 @@ class SSDDistillation(pl.LightningModule):
 
     # ---- student ----------------------------------------------------------------------------
 
-    def predictions(self, hidden: torch.Tensor, tokens: torch.Tensor, noise: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    def predictions(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, noise: bool
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """[(name, predicted states, target states)] for the vertical head and each horizontal unroll step."""
         rows, cols = hidden.shape[1], hidden.shape[2]
         embedded = self.backbone.embed_image_tokens(tokens.view(-1, rows, cols))  # (B, R, C, H)
@@ -109,8 +119,9 @@ class SSDDistillation(pl.LightningModule):
             # the left state (step 1 the teacher's), the teacher's state above, and the true tokens.
             predicted = inputs[:, 1:]
             for step in range(1, min(self.heads.config.horizontal_unroll, cols - 1) + 1):
-                predicted = self.heads.grid(inputs[:, :-1, step:], embedded[:, :-1, step:], predicted[:, :, :-1],
-                                            embedded[:, 1:, step - 1 : -1])
+                predicted = self.heads.grid(
+                    inputs[:, :-1, step:], embedded[:, :-1, step:], predicted[:, :, :-1], embedded[:, 1:, step - 1 : -1]
+                )
                 out.append((f"grid_{step}", predicted, hidden[:, 1:, step:]))
         return out
 
@@ -140,8 +151,10 @@ class SSDDistillation(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         loss, logs = self.losses(batch, noise=True)
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
-                                     "lower optim.lr or check the corpus")
+            raise FloatingPointError(
+                f"loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
+                "lower optim.lr or check the corpus"
+            )
         size = batch["tokens"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log_dict({f"train/{k}": v for k, v in logs.items() if k.startswith("acceptance")}, batch_size=size)
@@ -202,5 +215,9 @@ class SSDDistillation(pl.LightningModule):
 
     def export(self, directory: str | Path) -> Path:
         """heads.safetensors + heads.json, checked against this backbone when loaded."""
-        return export_heads(self.heads, directory, self.backbone.identity(),
-                            extra={"training": {"cfg_scale": self.cfg_scale, "step": int(self.global_step)}})
+        return export_heads(
+            self.heads,
+            directory,
+            self.backbone.identity(),
+            extra={"training": {"cfg_scale": self.cfg_scale, "step": int(self.global_step)}},
+        )
