@@ -147,17 +147,17 @@ def test_presets_bind_names_to_generators_and_settings(tmp_path):
 def test_any_setting_is_overridden_and_two_presets_of_one_method_run_side_by_side(tmp_path):
     methods = _methods(
         [
-            "decode.methods=[ssd_autocorrect,ssd_r4]",
-            "decode.presets.ssd_autocorrect.window=3",
-            "+method@decode.presets.ssd_r4=ssd_autocorrect",
-            "decode.presets.ssd_r4.rounds=4",
-            "decode.presets.ssd_r4.lookahead=true",
+            "decode.methods=[ssd_autocorrect,ssd_w4]",
+            "decode.presets.ssd_autocorrect.rounds=2",
+            "+method@decode.presets.ssd_w4=ssd_autocorrect",
+            "decode.presets.ssd_w4.lookahead=false",
+            "decode.presets.ssd_w4.window=4",
         ],
         tmp_path,
     )
-    first, second = methods["ssd_autocorrect"].settings, methods["ssd_r4"].settings
-    assert (first.rounds, first.window, first.lookahead) == (1, 3, False)
-    assert (second.rounds, second.window, second.lookahead, second.correction) == (4, 0, True, "prefix")
+    first, second = methods["ssd_autocorrect"].settings, methods["ssd_w4"].settings
+    assert (first.rounds, first.window, first.lookahead) == (2, 0, True)
+    assert (second.rounds, second.window, second.lookahead, second.correction) == (6, 4, False, "prefix")
 
 
 @pytest.mark.parametrize(
