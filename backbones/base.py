@@ -30,6 +30,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from backbones.kv_cache import preallocated_cache
+
 
 @dataclass(frozen=True)
 class ImageGeometry:
@@ -236,6 +238,14 @@ class ARImageBackbone(nn.Module, ABC):
         )
 
     # ---- shared mechanics ------------------------------------------------------------------
+
+    def image_cache(self, num_layers: int, prefix_length: int):
+        """A KV cache preallocated for the prompt and the whole image (with its end-of-line tokens).
+
+        Appending writes in place (backbones/kv_cache.py): transformers' DynamicCache copies the
+        whole cache on every pass, which makes the baseline slower than it needs to be.
+        """
+        return preallocated_cache(num_layers, prefix_length + self.geometry.flat_length(self.geometry.num_tokens))
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Append grid tokens (B, T) after the ones already in `state`; return their hidden states.

@@ -25,7 +25,6 @@ from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
-from backbones.kv_cache import preallocated_cache
 from common.atomic_io import atomic_save_safetensors, atomic_write_text
 
 CONFIG_FILE = "config.json"
@@ -151,7 +150,7 @@ class DigitsBackbone(ARImageBackbone):
             class_ids = torch.cat([class_ids, torch.full_like(class_ids, self.config.null_class)])
         state = DecodeState(
             # Sized for the BOS and the whole image once: appending writes in place (backbones/kv_cache.py).
-            cache=preallocated_cache(self.config.num_layers, 1 + self.geometry.num_tokens),
+            cache=self.image_cache(self.config.num_layers, 1),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=1,

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache, Emu3Config, Emu3ForConditionalGeneration
+from transformers import Emu3Config, Emu3ForConditionalGeneration
 from transformers.models.emu3.configuration_emu3 import Emu3TextConfig, Emu3VQVAEConfig
 
 from backbones.base import (
@@ -118,12 +118,12 @@ class Emu3Backbone(ARImageBackbone):
                 f"{name}: the vocabulary has {len(img2bpe)} visual tokens, not codebook ids 0..{self.codebook_size - 1}"
             )
         # codebook id -> vocabulary id; one extra last entry for the EOL marker -1.
-        mapping = torch.tensor([img2bpe[i] for i in range(self.codebook_size)] + [self.eol_token_id])
+        mapping = torch.tensor([img2bpe[i] for i in range(self.codebook_size)] + [self.eol_token_id], device="cpu")
         self.register_buffer("_codebook_to_vocab", mapping, persistent=False)
         # Real Emu3 checkpoints keep the visual tokens contiguous and in codebook order: then `logits`
         # slices lm_head's weight (a view) instead of gathering 32768 rows on every call.
         first = int(mapping[0])
-        contiguous = torch.equal(mapping[:-1], torch.arange(first, first + self.codebook_size))
+        contiguous = torch.equal(mapping[:-1], torch.arange(first, first + self.codebook_size, device="cpu"))
         self._visual_slice = slice(first, first + self.codebook_size) if contiguous else None
 
     # ---- prompts --------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Emu3Backbone(ARImageBackbone):
         if guided:
             ids = torch.cat([ids, self.unconditional_token_ids(ids)], dim=0)
         state = DecodeState(
-            cache=DynamicCache(config=self.model.config.text_config),
+            cache=self.image_cache(self.model.config.text_config.num_hidden_layers, ids.shape[1]),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=ids.shape[1],
@@ -255,12 +255,16 @@ _TINY_SPECIAL = ["<|endoftext|>", "<|extra_203|>", "<|extra_204|>", BOI, IMAGE_W
 _TINY_FIRST_VISUAL = 40
 
 
-def tiny_vocabulary_map(codebook_size: int = TINY_CODEBOOK, seed: int = 0) -> dict[str, int]:
-    """pad 0, BOS 1, EOS 2, specials 3..8, digits 10..19, '*' 20, visual tokens at 40.. in a shuffled order."""
+def tiny_vocabulary_map(codebook_size: int = TINY_CODEBOOK, seed: int = 0, shuffle: bool = True) -> dict[str, int]:
+    """pad 0, BOS 1, EOS 2, specials 3..8, digits 10..19, '*' 20, visual tokens at 40.. in a shuffled order
+    (`shuffle=False`: in codebook order, as real Emu3 checkpoints keep them)."""
     vocab = {token: i for i, token in enumerate(_TINY_SPECIAL)}
     vocab.update({str(d): 10 + d for d in range(10)})
     vocab["*"] = 20
-    order = torch.randperm(codebook_size, generator=torch.Generator().manual_seed(seed)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    order = (
+        torch.randperm(codebook_size, generator=generator, device="cpu").tolist() if shuffle else range(codebook_size)
+    )
     vocab.update({f"<|visual token{code:06d}|>": _TINY_FIRST_VISUAL + slot for slot, code in enumerate(order)})
     return vocab
 
@@ -271,16 +275,22 @@ def tiny_emu3_config(
     num_heads: int = 2,
     intermediate_size: int = 64,
     codebook_size: int = TINY_CODEBOOK,
+    num_kv_heads: int | None = None,
+    vocab_size: int | None = None,
+    max_positions: int = 256,
+    shuffled_visual_tokens: bool = True,
 ) -> Emu3Config:
-    vocabulary_map = tiny_vocabulary_map(codebook_size)
+    """A tiny Emu3 config; the text model's arguments also build it at a published size
+    (backbones/published_sizes.py: GQA through `num_kv_heads`, the full vocabulary through `vocab_size`)."""
+    vocabulary_map = tiny_vocabulary_map(codebook_size, shuffle=shuffled_visual_tokens)
     text_config = Emu3TextConfig(
-        vocab_size=_TINY_FIRST_VISUAL + codebook_size + 8,
+        vocab_size=max(vocab_size or 0, _TINY_FIRST_VISUAL + codebook_size + 8),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=256,
+        num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=max_positions,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import (
-    DynamicCache,
     JanusConfig,
     JanusForConditionalGeneration,
     LlamaConfig,
@@ -138,7 +137,7 @@ class JanusBackbone(ARImageBackbone):
         if guided:
             ids = torch.cat([ids, self.unconditional_token_ids(ids)], dim=0)
         state = DecodeState(
-            cache=DynamicCache(config=self.model.config.text_config),
+            cache=self.image_cache(self.model.config.text_config.num_hidden_layers, ids.shape[1]),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=ids.shape[1],
@@ -215,8 +214,12 @@ def tiny_janus_config(
     grid_size: int = 4,
     codebook_size: int = 64,
     vq_embed_dim: int = 8,
+    max_positions: int = 512,
 ) -> JanusConfig:
-    """A tiny Janus config: Llama text model, 1-layer vision tower, 2-level VQ model (32 channels)."""
+    """A tiny Janus config: Llama text model, 1-layer vision tower, 2-level VQ model (32 channels).
+
+    The text model's arguments also build it at a published size (backbones/published_sizes.py).
+    """
     patch_size = 4
     text_config = LlamaConfig(
         vocab_size=vocab_size,
@@ -225,7 +228,7 @@ def tiny_janus_config(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=_TINY_BOS,
         pad_token_id=_TINY_PAD,
         eos_token_id=None,

@@ -164,30 +164,39 @@ class LabelEmbedder(nn.Module):
 
 
 class LlamaGenCache:
-    """Per-layer key/value tensors (rows, kv_heads, T, head_dim) that can be cropped back."""
+    """Per-layer key/value buffers (rows, kv_heads, capacity, head_dim), filled in place and cropped back.
 
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    Sized once for the class tokens and the whole image: appending writes into the
+    buffers instead of concatenating (which copied the whole cache on every pass).
+    """
+
+    def __init__(self, num_layers: int, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self.length
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Write this pass's keys and values (rows, kv_heads, T, head_dim) after the cached ones; views of all."""
+        if self._keys[layer] is None:
+            rows, heads, _, dim = k.shape
+            self._keys[layer] = k.new_empty(rows, heads, self.capacity, dim)
+            self._values[layer] = v.new_empty(rows, heads, self.capacity, dim)
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"the KV cache holds {self.capacity} positions, {end} were fed")
+        self._keys[layer][:, :, self.length : end] = k
+        self._values[layer][:, :, self.length : end] = v
+        if layer == len(self._keys) - 1:  # every layer has written this pass
+            self.length = end
+        return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` positions; a negative value removes that many (transformers' convention)."""
-        length = self.get_seq_length()
-        keep = length + max_length if max_length < 0 else min(max_length, length)
-        for i in range(len(self.keys)):
-            if self.keys[i] is not None:
-                self.keys[i] = self.keys[i][:, :, :keep]
-                self.values[i] = self.values[i][:, :, :keep]
+        self.length = self.length + max_length if max_length < 0 else min(max_length, self.length)
 
 
 class Attention(nn.Module):
@@ -316,7 +325,9 @@ class LlamaGenBackbone(ARImageBackbone):
         if guided:
             class_ids = torch.cat([class_ids, torch.full_like(class_ids, self.config.null_class)])
         state = DecodeState(
-            cache=LlamaGenCache(self.config.n_layer),
+            cache=LlamaGenCache(
+                self.config.n_layer, self.config.cls_token_num + self.geometry.flat_length(self.geometry.num_tokens)
+            ),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=self.config.cls_token_num,

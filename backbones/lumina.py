@@ -64,7 +64,6 @@ from torch import nn
 from transformers import (
     ChameleonConfig,
     ChameleonForConditionalGeneration,
-    DynamicCache,
 )
 from transformers.models.chameleon.configuration_chameleon import ChameleonVQVAEConfig
 
@@ -146,11 +145,13 @@ class LuminaBackbone(ARImageBackbone):
                 f"{name}: the vocabulary map has {len(img2bpe)} image tokens, not one for each of the "
                 f"{self.codebook_size} codebook entries"
             )
-        self.register_buffer(
-            "codebook_to_vocab",
-            torch.tensor([img2bpe[k] for k in range(self.codebook_size)], dtype=torch.long),
-            persistent=False,
-        )
+        mapping = torch.tensor([img2bpe[k] for k in range(self.codebook_size)], dtype=torch.long, device="cpu")
+        self.register_buffer("codebook_to_vocab", mapping, persistent=False)
+        # Chameleon keeps its image tokens contiguous and in codebook order: then `logits` slices lm_head's
+        # weight (a view) instead of gathering the codebook's rows on every call.
+        first = int(mapping[0])
+        contiguous = torch.equal(mapping, torch.arange(first, first + self.codebook_size, device="cpu"))
+        self._image_slice = slice(first, first + self.codebook_size) if contiguous else None
         if not 0 <= eol_token_id < config.vocab_size or eol_token_id in img2bpe.values():
             raise ValueError(f"{name}: eol_token_id={eol_token_id} is not a non-image vocabulary id")
         self.eol_token_id = int(eol_token_id)
@@ -233,7 +234,7 @@ class LuminaBackbone(ARImageBackbone):
                 prefix_mask = torch.cat([torch.ones_like(ids), uncond_mask], dim=0)
             ids = torch.cat([ids, uncond_ids], dim=0)
         state = DecodeState(
-            cache=DynamicCache(config=self.model.config),
+            cache=self.image_cache(self.model.config.num_hidden_layers, ids.shape[1]),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=ids.shape[1],
@@ -270,7 +271,8 @@ class LuminaBackbone(ARImageBackbone):
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.lm_head.weight[self.codebook_to_vocab]  # (V, hidden), codebook order
+        weight = self.model.lm_head.weight  # (V, hidden) rows in codebook order:
+        weight = weight[self._image_slice] if self._image_slice is not None else weight[self.codebook_to_vocab]
         return nn.functional.linear(self.final_norm(hidden), weight)
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -351,11 +353,22 @@ def tiny_lumina_config(
     codebook_size: int = 64,
     vq_embed_dim: int = 8,
     seed: int = 0,
+    vocab_size: int | None = None,
+    qk_layernorm: bool = False,
+    max_positions: int = 512,
+    permuted_image_tokens: bool = True,
 ) -> ChameleonConfig:
     """A tiny Chameleon config with a vocabulary map whose image tokens are a permutation of
-    ids ``32..32+V-1`` (so the codebook -> vocabulary map is not an offset)."""
+    ids ``32..32+V-1`` (so the codebook -> vocabulary map is not an offset).
+
+    The text model's arguments also build it at a published size (backbones/published_sizes.py).
+    """
     generator = torch.Generator().manual_seed(seed + 12345)
-    permutation = torch.randperm(codebook_size, generator=generator).tolist()
+    permutation = (
+        torch.randperm(codebook_size, generator=generator, device="cpu").tolist()
+        if permuted_image_tokens
+        else list(range(codebook_size))
+    )
     vocabulary_map = {
         "<s>": _TINY_BOS,
         "<pad>": _TINY_PAD,
@@ -376,13 +389,14 @@ def tiny_lumina_config(
         num_res_blocks=1,
     )
     return ChameleonConfig(
-        vocab_size=_TINY_TEXT_VOCAB + codebook_size,
+        vocab_size=max(vocab_size or 0, _TINY_TEXT_VOCAB + codebook_size),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=512,
+        qk_layernorm=qk_layernorm,
+        max_position_embeddings=max_positions,
         bos_token_id=_TINY_BOS,
         pad_token_id=_TINY_PAD,
         eos_token_id=_TINY_EOS,

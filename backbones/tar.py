@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from backbones.base import (
     ARImageBackbone,
@@ -165,7 +165,7 @@ class TarBackbone(ARImageBackbone):
         if guided:
             ids = torch.cat([ids, self.unconditional_token_ids(ids)], dim=0)
         state = DecodeState(
-            cache=DynamicCache(config=self.model.config),
+            cache=self.image_cache(self.model.config.num_hidden_layers, ids.shape[1]),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=ids.shape[1],

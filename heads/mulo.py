@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaModel
+from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
@@ -239,7 +239,7 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
     def prefill(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
         vectors = self.condition_vectors(condition, guided)  # (rows, hidden)
         state = DecodeState(
-            cache=DynamicCache(config=self.transformer.config),
+            cache=self.image_cache(self.transformer.config.num_hidden_layers, 1),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=1,

@@ -279,3 +279,15 @@ def test_real_config_has_lumina_mgpt_768_geometry():
 
     real = OmegaConf.load(CONF_DIR / "backbone" / "lumina.yaml")
     assert real.eol_token_id == 8803 and real.rows == real.cols == 48 and real.uncond == "image_header"
+
+
+def test_contiguous_image_tokens_use_a_slice_with_the_same_logits():
+    """Chameleon keeps its image tokens contiguous in codebook order: `logits` slices lm_head instead of gathering."""
+    backbone = random_lumina_backbone(seed=0, permuted_image_tokens=False)
+    assert backbone._image_slice == slice(32, 32 + backbone.codebook_size)
+    hidden = torch.randn(2, 3, backbone.hidden_size)
+    gathered = torch.nn.functional.linear(
+        backbone.final_norm(hidden), backbone.model.lm_head.weight[backbone.codebook_to_vocab]
+    )
+    assert torch.equal(backbone.logits(hidden), gathered)
+    assert random_lumina_backbone(seed=0)._image_slice is None  # the tiny default's permuted map gathers
