@@ -9,7 +9,7 @@ tokens ``(...)``. Which rule a method uses:
   (`accept_drafts`); at an image's first rejection (`first_true`) draw the
   token from the residual ``norm(max(0, p - q))`` (`residual_distribution`) and
   drop what follows. SSD exact, MuLo-SD exact (point proposals, ``q = one_hot(x)``),
-  and the peers to come (SJD, EAGLE).
+  SJD (random and Jacobi drafts), and EAGLE to come.
 - SSD's parallel auto-correction (Xiang et al., 2026): every rejected position
   of a row is resampled in the same pass (`autocorrect_distributions`).
 - relaxed acceptance (LANTERN, Jang et al., ICLR 2025): a draft also counts the
@@ -18,6 +18,9 @@ tokens ``(...)``. Which rule a method uses:
   ``relax_*`` settings, MuLo-SD. Not lossless for ``delta > 0``.
 - MuLo-SD's local rejection (Peruzzo et al., CVPR 2026): rejected tokens grow
   into 8-connected islands that are resampled together (`islands`).
+- grouped acceptance (GSD, So et al., ICCV 2025): the test's ratio pooled over
+  a group of tokens similar to the draft (`token_group`, `grouped_accept`).
+  Not lossless for groups larger than the draft itself.
 """
 
 from __future__ import annotations
@@ -163,3 +166,46 @@ def island_redraw_distributions(
 def count_islands(mask: torch.Tensor) -> list[int]:
     """The number of 8-connected islands in each image of a mask (B, H, W) (for reports and tests)."""
     return [int(ndimage.label(image, structure=np.ones((3, 3)))[1]) for image in mask.cpu().numpy()]
+
+
+def token_group(
+    p: torch.Tensor,
+    tokens: torch.Tensor,
+    embeddings: torch.Tensor,
+    rank_radius: int,
+    probability_gap: float,
+    max_distance: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSD's group of each draft: p (..., V), tokens (...), embeddings (V, H) -> members (..., 2r), mask (..., 2r).
+
+    Candidates are the tokens ranked within ``[-r, r)`` of the draft in the
+    ordering of p (the reference code's ``sort()[cur - 7 : cur + 7]``, r = 7);
+    members are those whose probability is within `probability_gap` of the
+    draft's and whose input embedding lies within squared L2 distance
+    `max_distance` of the draft's. The draft itself is always a member. Ranks
+    past either end of the vocabulary are left out (the reference code's slice
+    comes out empty there and rejects the draft).
+    """
+    order = p.argsort(-1)  # ascending, as the reference code sorts
+    rank = order.argsort(-1).gather(-1, tokens[..., None])  # (..., 1)
+    offsets = (
+        torch.arange(-rank_radius, rank_radius, device=p.device) if rank_radius else torch.zeros(1, device=p.device)
+    )
+    ranks = rank + offsets.long()  # (..., 2r)
+    inside = (ranks >= 0) & (ranks < p.shape[-1])
+    members = order.gather(-1, ranks.clamp(0, p.shape[-1] - 1))
+    close_in_p = (p.gather(-1, members) - probability_of(p, tokens)[..., None]).abs() < probability_gap
+    distance = (embeddings[members] - embeddings[tokens][..., None, :]).float().pow(2).sum(-1)
+    return members, inside & close_in_p & (distance < max_distance)
+
+
+def grouped_accept(
+    p: torch.Tensor, q: torch.Tensor, members: torch.Tensor, in_group: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
+    """GSD's test: accept with probability ``min(1, sum_G p / sum_G q)`` over each draft's group G.
+
+    p, q (..., V); members, in_group (..., m) from `token_group`; uniform (...) -> bool (...).
+    A group of the draft alone is speculative sampling's test.
+    """
+    weight = in_group.to(p.dtype)
+    return accept_drafts((p.gather(-1, members) * weight).sum(-1), (q.gather(-1, members) * weight).sum(-1), uniform)
