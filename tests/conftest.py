@@ -62,9 +62,10 @@ def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5, grid: bo
     return heads.eval()
 
 
-def assert_greedy_exact_ssd_equals_greedy_ar(backbone, condition, cfg_scale: float) -> None:
-    """The lossless contract every backbone must keep: greedy exact SSD returns greedy AR's tokens."""
+def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scale: float) -> None:
+    """The lossless contract every backbone must keep: greedy exact SSD and SJD return greedy AR's tokens."""
     from decode import SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
+    from decode.sjd import SJDDecodeConfig, generate_sjd
 
     sampling = SamplingConfig(cfg_scale=cfg_scale, greedy=True)
     heads = random_ssd_heads(backbone.hidden_size, seed=1, std=0.3)
@@ -73,3 +74,7 @@ def assert_greedy_exact_ssd_equals_greedy_ar(backbone, condition, cfg_scale: flo
     for config in (SSDDecodeConfig(mode="exact"), SSDDecodeConfig(mode="exact", lookahead=True)):
         speculative = generate_ssd(backbone, heads, condition, sampling, config=config)
         assert torch.equal(speculative.tokens, baseline.tokens), config
+    # Jacobi windows across rows (end-of-line tokens inside a window) and past the image's end.
+    for config in (SJDDecodeConfig(), SJDDecodeConfig(window=3, init="repeat_left")):
+        jacobi = generate_sjd(backbone, condition, sampling, torch.Generator().manual_seed(0), config)
+        assert torch.equal(jacobi.tokens, baseline.tokens), config

@@ -9,7 +9,7 @@ order differs from vocabulary order.
 
 import pytest
 import torch
-from conftest import assert_greedy_exact_ssd_equals_greedy_ar
+from conftest import assert_greedy_lossless_methods_equal_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.emu3 import (
@@ -216,7 +216,7 @@ def test_greedy_generate_ar_equals_a_plain_greedy_loop_over_the_model(backbone, 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_ssd_exact_equals_greedy_ar(backbone, cfg_scale):
-    assert_greedy_exact_ssd_equals_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
+    assert_greedy_lossless_methods_equal_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
 
 
 @torch.no_grad()

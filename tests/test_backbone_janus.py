@@ -6,7 +6,7 @@ unmodified copy of the same weights (`random_janus_model` with the same seed).
 
 import pytest
 import torch
-from conftest import assert_greedy_exact_ssd_equals_greedy_ar
+from conftest import assert_greedy_lossless_methods_equal_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.janus import (
@@ -140,7 +140,7 @@ def test_greedy_generate_ar_equals_janus_generate_image_mode(backbone, reference
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_ssd_exact_equals_greedy_ar(backbone, cfg_scale):
-    assert_greedy_exact_ssd_equals_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
+    assert_greedy_lossless_methods_equal_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
 
 
 @torch.no_grad()

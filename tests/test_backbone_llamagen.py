@@ -3,7 +3,7 @@
 import hydra
 import pytest
 import torch
-from conftest import CONF_DIR, assert_greedy_exact_ssd_equals_greedy_ar, compose_config
+from conftest import CONF_DIR, assert_greedy_lossless_methods_equal_greedy_ar, compose_config
 
 from backbones.base import Condition, ImageGeometry
 from backbones.llamagen import (
@@ -157,7 +157,7 @@ def test_greedy_generate_ar_equals_a_plain_no_cache_loop(llamagen, cfg_scale):
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
 def test_greedy_exact_ssd_equals_greedy_ar(llamagen, cfg_scale):
-    assert_greedy_exact_ssd_equals_greedy_ar(llamagen, Condition(class_ids=torch.tensor([1, 8])), cfg_scale)
+    assert_greedy_lossless_methods_equal_greedy_ar(llamagen, Condition(class_ids=torch.tensor([1, 8])), cfg_scale)
 
 
 def test_checkpoint_file_with_a_model_entry_loads(llamagen, tmp_path):

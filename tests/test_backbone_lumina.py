@@ -10,7 +10,7 @@ image tokens in codebook order (through the model's vocabulary map).
 
 import pytest
 import torch
-from conftest import assert_greedy_exact_ssd_equals_greedy_ar
+from conftest import assert_greedy_lossless_methods_equal_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.lumina import (
@@ -240,7 +240,7 @@ def test_greedy_generate_ar_equals_a_plain_greedy_loop(backbone, reference, cfg_
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_ssd_exact_equals_greedy_ar(backbone, cfg_scale):
-    assert_greedy_exact_ssd_equals_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
+    assert_greedy_lossless_methods_equal_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
 
 
 @torch.no_grad()

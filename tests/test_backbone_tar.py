@@ -6,7 +6,7 @@ included) on an unmodified copy of the same weights, without a cache.
 
 import pytest
 import torch
-from conftest import assert_greedy_exact_ssd_equals_greedy_ar
+from conftest import assert_greedy_lossless_methods_equal_greedy_ar
 
 from backbones.base import Condition, ImageGeometry
 from backbones.tar import (
@@ -149,7 +149,7 @@ def test_greedy_generate_ar_equals_a_plain_greedy_loop(backbone, reference, cfg_
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_ssd_exact_equals_greedy_ar(backbone, cfg_scale):
-    assert_greedy_exact_ssd_equals_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
+    assert_greedy_lossless_methods_equal_greedy_ar(backbone, Condition(token_ids=PROMPTS), cfg_scale)
 
 
 def test_conditions_are_checked(backbone):
