@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from backbones.kv_cache import preallocated_cache
+from backbones.kv_cache import preallocated_cache, writing_at
 
 
 @dataclass(frozen=True)
@@ -265,6 +265,32 @@ class ARImageBackbone(nn.Module, ABC):
         hidden = self._forward_flat(state, flat)
         state.num_image_tokens = start + count
         return hidden if take is None else hidden[:, take]
+
+    def step_at(self, state: DecodeState, flat_tokens: torch.Tensor, flat_positions: torch.Tensor) -> torch.Tensor:
+        """ZipAR's pass: flat image tokens (B, T) (-1: end-of-line) written at flat image positions (T,), each
+        attending to every cache slot up to its own; returns their hidden states (rows, T, H).
+
+        Slots not written yet hold zero keys and values (ZipAR's static cache); a slot written again is
+        overwritten. The cache's length afterwards covers the furthest slot: `step` and `rollback` are not
+        meant to follow. Under guidance both twins get the same tokens.
+        """
+        if flat_tokens.shape[0] != state.batch_size:
+            raise ValueError(f"step_at got {flat_tokens.shape[0]} rows of tokens for a batch of {state.batch_size}")
+        if state.guided:
+            flat_tokens = torch.cat([flat_tokens, flat_tokens], dim=0)
+        capacity = state.prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
+        slots = state.prefix_length + flat_positions.to(flat_tokens.device)
+        if bool((slots >= capacity).any()):
+            raise ValueError(f"step_at: flat positions past the image ({int(flat_positions.max())})")
+        visible = torch.arange(capacity, device=slots.device)[None, :] <= slots[:, None]  # (T, capacity)
+        with writing_at(state.cache, slots):
+            return self._forward_flat_at(state, flat_tokens, slots, visible)
+
+    def _forward_flat_at(
+        self, state: DecodeState, flat_tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """`_forward_flat` at cache slots (T,), query t seeing the slots ``visible[t]`` (T, capacity)."""
+        raise NotImplementedError(f"{type(self).__name__} has no position-addressed passes (ZipAR)")
 
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""

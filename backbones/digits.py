@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.hf_loading import positional_arguments
 from common.atomic_io import atomic_save_safetensors, atomic_write_text
 
 CONFIG_FILE = "config.json"
@@ -162,9 +163,12 @@ class DigitsBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, flat_tokens)
 
-    def _run(self, state: DecodeState, inputs: torch.Tensor) -> torch.Tensor:
+    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
+        return self._run(state, flat_tokens, **positional_arguments(flat_tokens.shape[0], slots, visible))
+
+    def _run(self, state: DecodeState, inputs: torch.Tensor, **positional) -> torch.Tensor:
         embeds = self.token_embed(inputs) + self.class_embed(state.extras["class_ids"])[:, None]
-        out = self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True)
+        out = self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ from backbones.hf_loading import (
     display_name,
     load_pretrained,
     load_processor,
+    positional_arguments,
     require_weights,
 )
 
@@ -199,8 +200,12 @@ class Emu3Backbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 
-    def _run(self, state: DecodeState, embeds: torch.Tensor) -> torch.Tensor:
-        out = self.model.model.text_model(inputs_embeds=embeds, cache=state.cache, use_cache=True)
+    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+        return self._run(state, self.embed_image_tokens(flat_tokens), **positional)
+
+    def _run(self, state: DecodeState, embeds: torch.Tensor, **positional) -> torch.Tensor:
+        out = self.model.model.text_model(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional)
         return out.last_hidden_state
 
     def vocab_ids(self, tokens: torch.Tensor) -> torch.Tensor:

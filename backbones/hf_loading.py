@@ -38,3 +38,12 @@ def load_processor(directory: Path, trust_remote_code: bool = False):
 def display_name(directory: Path, model_id: str) -> str:
     """The model id when the folder is named after it, else the path (shown in errors, stored with heads)."""
     return model_id if directory.name in model_id else str(directory)
+
+
+def positional_arguments(rows: int, slots: torch.Tensor, visible: torch.Tensor) -> dict:
+    """A transformers model's arguments for a position-addressed pass (ZipAR, `ARImageBackbone.step_at`):
+    position ids = the cache slots (T,) for every row, and `visible` (T, capacity) as a 4D mask (used as is)."""
+    return {
+        "position_ids": slots[None].expand(rows, -1),
+        "attention_mask": visible[None, None].expand(rows, 1, -1, -1),
+    }

@@ -9,9 +9,17 @@ layer's keys and values live in buffers sized once for the prompt and the
 image; `update` writes the new positions and returns views of the filled part,
 so attention sees exactly the tensors a DynamicCache would hold, and `crop`
 (the speculative methods' rollback) only moves the length back.
+
+ZipAR feeds tokens of several rows per pass at their own positions, not after
+the cache's end: inside `writing_at(cache, slots)` a layer writes at those
+slots and attention reads every slot (a mask says which each query sees).
+Slots never written hold zero keys and values, as ZipAR's static cache does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -24,12 +32,14 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.write_slots: torch.Tensor | None = None  # set by `writing_at`
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         batch, heads, _, key_dim = key_states.shape
-        self._key_buffer = key_states.new_empty(batch, heads, self.capacity, key_dim)
-        self._value_buffer = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        # Zeros, not garbage: a position-addressed pass (ZipAR) attends to slots not written yet.
+        self._key_buffer = key_states.new_zeros(batch, heads, self.capacity, key_dim)
+        self._value_buffer = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
         self._expose(0)
         self.is_initialized = True
 
@@ -41,6 +51,10 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.write_slots is not None:  # ZipAR: write at the slots, attend over all of them
+            self._key_buffer.index_copy_(-2, self.write_slots, key_states)
+            self._value_buffer.index_copy_(-2, self.write_slots, value_states)
+            return self._key_buffer, self._value_buffer
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise ValueError(f"the preallocated KV cache holds {self.capacity} positions, {end} were fed")
@@ -67,3 +81,22 @@ class PreallocatedLayer(DynamicLayer):
 def preallocated_cache(num_layers: int, capacity: int) -> Cache:
     """A transformers Cache of `num_layers` preallocated layers holding up to `capacity` positions each."""
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+
+
+@contextmanager
+def writing_at(cache, slots: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the cache's layers (a preallocated Cache, or LlamaGen's) write this pass's keys and
+    values at `slots` (T,) and return every slot; the length reported afterwards covers the furthest slot."""
+    layers = getattr(cache, "layers", None) or [cache]
+    for layer in layers:
+        layer.write_slots = slots
+    try:
+        yield
+    finally:
+        furthest = int(slots.max()) + 1
+        for layer in layers:
+            layer.write_slots = None
+            if isinstance(layer, PreallocatedLayer) and layer.is_initialized:
+                layer._expose(max(layer.length, furthest))
+            elif not isinstance(layer, PreallocatedLayer):
+                layer.length = max(layer.length, furthest)

@@ -173,6 +173,7 @@ class LlamaGenCache:
     def __init__(self, num_layers: int, capacity: int):
         self.capacity = capacity
         self.length = 0
+        self.write_slots: torch.Tensor | None = None  # ZipAR's position-addressed passes (backbones/kv_cache.py)
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
 
@@ -183,8 +184,12 @@ class LlamaGenCache:
         """Write this pass's keys and values (rows, kv_heads, T, head_dim) after the cached ones; views of all."""
         if self._keys[layer] is None:
             rows, heads, _, dim = k.shape
-            self._keys[layer] = k.new_empty(rows, heads, self.capacity, dim)
-            self._values[layer] = v.new_empty(rows, heads, self.capacity, dim)
+            self._keys[layer] = k.new_zeros(rows, heads, self.capacity, dim)
+            self._values[layer] = v.new_zeros(rows, heads, self.capacity, dim)
+        if self.write_slots is not None:
+            self._keys[layer].index_copy_(2, self.write_slots, k)
+            self._values[layer].index_copy_(2, self.write_slots, v)
+            return self._keys[layer], self._values[layer]
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions, {end} were fed")
@@ -206,7 +211,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, (config.n_head + 2 * config.kv_heads) * config.head_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x, rope, layer: int, cache: LlamaGenCache | None, past: int) -> torch.Tensor:
+    def forward(self, x, rope, layer: int, cache: LlamaGenCache | None, past: int, mask=None) -> torch.Tensor:
         c = self.config
         batch, length, _ = x.shape
         kv = c.kv_heads * c.head_dim
@@ -219,9 +224,10 @@ class Attention(nn.Module):
         if c.kv_heads != c.n_head:
             k = k.repeat_interleave(c.n_head // c.kv_heads, dim=1)
             v = v.repeat_interleave(c.n_head // c.kv_heads, dim=1)
-        total = k.shape[2]
-        query_pos = torch.arange(past, past + length, device=x.device)
-        mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]  # (T, past + T)
+        if mask is None:
+            total = k.shape[2]
+            query_pos = torch.arange(past, past + length, device=x.device)
+            mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]  # (T, past + T)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.dim))
 
@@ -246,8 +252,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x, rope, layer, cache, past):
-        h = x + self.attention(self.attention_norm(x), rope, layer, cache, past)
+    def forward(self, x, rope, layer, cache, past, mask=None):
+        h = x + self.attention(self.attention_norm(x), rope, layer, cache, past, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -271,17 +277,26 @@ class LlamaGenGPT(nn.Module):
     def max_length(self) -> int:
         return self.config.cls_token_num + self.config.grid_size**2
 
-    def run(self, embeds: torch.Tensor, cache: LlamaGenCache | None = None) -> torch.Tensor:
-        """Input embeddings (B, T, dim) appended after the cache -> pre-norm hidden states (B, T, dim)."""
+    def run(
+        self,
+        embeds: torch.Tensor,
+        cache: LlamaGenCache | None = None,
+        slots: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings (B, T, dim) appended after the cache -> pre-norm hidden states (B, T, dim).
+
+        With `slots` (T,) and `visible` (T, capacity) (ZipAR, inside `writing_at`): the inputs sit at those
+        positions and each attends to the slots `visible` marks."""
         past = 0 if cache is None else cache.get_seq_length()
-        if past + embeds.shape[1] > self.max_length:
+        if slots is None and past + embeds.shape[1] > self.max_length:
             raise ValueError(f"sequence of {past + embeds.shape[1]} exceeds {self.max_length} positions")
         if self.rope.device != embeds.device:
             self.rope = self.rope.to(embeds.device)
-        rope = self.rope[past : past + embeds.shape[1]]
+        rope = self.rope[past : past + embeds.shape[1]] if slots is None else self.rope[slots]
         h = embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, i, cache, past)
+            h = layer(h, rope, i, cache, past, visible)
         return h
 
     def forward(self, tokens: torch.Tensor, class_ids: torch.Tensor) -> torch.Tensor:
@@ -338,6 +353,9 @@ class LlamaGenBackbone(ARImageBackbone):
 
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache)
+
+    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
+        return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache, slots, visible)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.output(self.model.norm(hidden))

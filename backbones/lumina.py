@@ -78,6 +78,7 @@ from backbones.hf_loading import (
     display_name,
     load_pretrained,
     load_processor,
+    positional_arguments,
     require_weights,
 )
 
@@ -251,6 +252,18 @@ class LuminaBackbone(ARImageBackbone):
 
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.model.model.embed_tokens(self.flat_to_vocab(flat_tokens)))
+
+    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
+        embeds = self.model.model.embed_tokens(self.flat_to_vocab(flat_tokens))
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+        prefix_mask = state.extras.get("prefix_attention_mask")
+        if prefix_mask is not None:  # left-padded twins: the pads stay masked, positions count real tokens only
+            positional["position_ids"] = positional["position_ids"] - (prefix_mask == 0).sum(-1, keepdim=True)
+            mask = positional["attention_mask"].clone()
+            mask[..., : prefix_mask.shape[1]] &= prefix_mask.bool()[:, None, None, :]
+            positional["attention_mask"] = mask
+        out = self.model.model(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional)
+        return out.last_hidden_state
 
     def _run(self, state: DecodeState, embeds: torch.Tensor) -> torch.Tensor:
         prefix_mask = state.extras.get("prefix_attention_mask")

@@ -63,9 +63,11 @@ def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5, grid: bo
 
 
 def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scale: float) -> None:
-    """The lossless contract every backbone must keep: greedy exact SSD and SJD return greedy AR's tokens."""
+    """The lossless contract every backbone must keep: greedy exact SSD and SJD, and ZipAR with a window of
+    a whole row, return greedy AR's tokens."""
     from decode import SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
     from decode.sjd import SJDDecodeConfig, generate_sjd
+    from decode.zipar import ZipARDecodeConfig, generate_zipar
 
     sampling = SamplingConfig(cfg_scale=cfg_scale, greedy=True)
     heads = random_ssd_heads(backbone.hidden_size, seed=1, std=0.3)
@@ -78,3 +80,11 @@ def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scal
     for config in (SJDDecodeConfig(), SJDDecodeConfig(window=3, init="repeat_left")):
         jacobi = generate_sjd(backbone, condition, sampling, torch.Generator().manual_seed(0), config)
         assert torch.equal(jacobi.tokens, baseline.tokens), config
+    # ZipAR waiting for whole rows is the baseline: its position-addressed passes (and end-of-line stand-ins)
+    # reproduce the appended ones.
+    zipar = generate_zipar(backbone, condition, sampling, config=ZipARDecodeConfig(window=backbone.geometry.cols))
+    assert torch.equal(zipar.tokens, baseline.tokens)
+    assert zipar.forward_passes == backbone.geometry.num_tokens
+    # A narrower window runs rows in parallel: fewer passes.
+    parallel = generate_zipar(backbone, condition, sampling, config=ZipARDecodeConfig(window=1))
+    assert parallel.forward_passes < backbone.geometry.num_tokens or backbone.geometry.rows == 1

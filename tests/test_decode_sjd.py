@@ -93,7 +93,8 @@ def test_a_window_without_drafts_is_refused():
         SJDDecodeConfig(window=1)
 
 
-def test_sjd_and_gsd_run_as_presets_beside_the_baseline(tmp_path, classifier_cache):
+def test_peers_run_as_presets_beside_the_baseline(tmp_path, classifier_cache):
+    """SJD, GSD and ZipAR through the registry and the benchmark, as a user runs them."""
     import json
 
     from conftest import compose_config
@@ -104,7 +105,7 @@ def test_sjd_and_gsd_run_as_presets_beside_the_baseline(tmp_path, classifier_cac
     cfg = compose_config(
         [
             "backbone=digits_tiny",
-            "decode.methods=[ar,sjd,gsd]",
+            "decode.methods=[ar,sjd,gsd,zipar]",
             "decode.num_images=4",
             "decode.batch_size=2",
             "decode.presets.sjd.init=repeat_left",
@@ -119,3 +120,5 @@ def test_sjd_and_gsd_run_as_presets_beside_the_baseline(tmp_path, classifier_cac
     assert methods["sjd"]["settings"] == {"window": 16, "init": "repeat_left"}
     assert methods["gsd"]["settings"]["rank_radius"] == 7
     assert methods["sjd"]["forward_passes_per_image"] <= methods["ar"]["forward_passes_per_image"]
+    assert methods["zipar"]["forward_passes_per_image"] == 2 * 8 + 6 * 8  # the default window is a whole row here
+    assert not methods["zipar"]["lossless"]
