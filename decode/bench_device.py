@@ -287,10 +287,14 @@ def markdown_report(report: dict) -> str:
         "",
         f"torch {env['torch']}, CUDA {env['cuda']}, CFG {env['cfg_scale']}, "
         f"{env.get('elapsed_seconds', 0):.0f} s of a {env['budget_minutes']:g} min budget.",
-        "",
-        "## Digits backbone: every method against the KV-cached baseline",
-        "",
     ]
+    for section in (_digits_section, _passes_section, _drafting_section, _projection_section):
+        lines += ["", *section(report)]
+    return "\n".join(lines)
+
+
+def _digits_section(report: dict) -> list[str]:
+    lines = ["## Digits backbone: every method against the KV-cached baseline", ""]
     for name, why in report["digits"].get("missing", {}).items():
         lines.append(f"- `{name}` not run: {why}")
     for batch_key, methods in report["digits"].items():
@@ -308,8 +312,12 @@ def markdown_report(report: dict) -> str:
                 f"{f['seconds_per_image']:.4f} | {f['speedup_vs_ar']:.2f}x | "
                 f"{'-' if accuracy is None else f'{accuracy:.3f}'} |"
             )
-    lines += ["", "## One pass against the tokens fed (ms; in brackets: x the one-token pass)", ""]
-    counts = env["counts"]
+    return lines
+
+
+def _passes_section(report: dict) -> list[str]:
+    counts = report["environment"]["counts"]
+    lines = ["## One pass against the tokens fed (ms; in brackets: x the one-token pass)", ""]
     lines += ["| backbone | batch | context | " + " | ".join(map(str, counts)) + " |", "|---" * (3 + len(counts)) + "|"]
     for name, measured in report["backbones"].items():
         if "passes" not in measured:
@@ -323,7 +331,11 @@ def markdown_report(report: dict) -> str:
                 for n in counts
             ]
             lines.append(f"| {name} | {cost['batch']} | {cost['context_tokens']} | " + " | ".join(cells) + " |")
-    lines += ["", "## SSD drafting at the backbone's hidden size (ms)", ""]
+    return lines
+
+
+def _drafting_section(report: dict) -> list[str]:
+    lines = ["## SSD drafting at the backbone's hidden size (ms)", ""]
     lines += ["| backbone | batch | vertical row | drafted row | grid step |", "|---|---|---|---|---|"]
     for name, measured in report["backbones"].items():
         for d in measured.get("drafting", {}).values():
@@ -331,8 +343,11 @@ def markdown_report(report: dict) -> str:
                 f"| {name} | {d['batch']} | {1000 * d['seconds_per_vertical_row']:.2f} | "
                 f"{1000 * d['seconds_per_drafted_row']:.2f} | {1000 * d['seconds_per_grid_step']:.3f} |"
             )
-    lines += [
-        "",
+    return lines
+
+
+def _projection_section(report: dict) -> list[str]:
+    lines = [
         "## Projection (not a measurement): the digits pass schedule at each backbone's measured costs",
         "",
         "AR = N c(1); method = (N / a) c(f cols / 24) + N s t_step + R v t_row; speedup = AR / method "
@@ -349,7 +364,7 @@ def markdown_report(report: dict) -> str:
                     f"| {name} | {batch_key.removeprefix('batch_')} | {method} | {p['passes_per_image']:.0f} | "
                     f"{p['projected_speedup']:.2f}x | {p['projected_speedup_if_drafting_were_free']:.2f}x |"
                 )
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

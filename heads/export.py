@@ -131,11 +131,16 @@ def load_heads(
     if backbone is not None:
         check_compatible(config, backbone.identity(), str(directory))
     module_class, config_class = HEAD_KINDS[config["kind"]]
-    heads = module_class(config_class(**config["head"]))
-    state = {}
+    head_config = config_class(**config["head"])
     with safe_open(str(directory / HEADS_FILE), framework="pt", device="cpu") as handle:
-        for name in handle.keys():
-            state[name] = handle.get_tensor(name)
+        # The embedded config is untrusted: compare the shapes it implies (on the meta device, nothing
+        # allocated) with the stored tensors' before building anything.
+        _check_shapes(directory, module_class, head_config, {n: handle.get_slice(n).get_shape() for n in handle.keys()})
+        heads = module_class(head_config)
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{directory}: tensor {name!r} holds NaN or infinite values; re-export the heads")
     heads.load_state_dict(state, strict=True)
     if backbone is not None and isinstance(heads, MuLoDrafter):
         # The drafter's own record (grid, r, codebook, conditioning) must fit too; bind also attaches the backbone
@@ -145,3 +150,27 @@ def load_heads(
         except ValueError as error:
             raise HeadsMismatchError(f"{directory}: {error}") from error
     return heads.to(device).eval().requires_grad_(False)
+
+
+def _check_shapes(directory: Path, module_class, head_config, stored: dict[str, list[int]]) -> None:
+    """Refuse an export whose config does not describe its tensors (names and shapes), naming the first."""
+    try:
+        with torch.device("meta"):
+            expected = {name: list(t.shape) for name, t in module_class(head_config).state_dict().items()}
+    except (RuntimeError, ValueError, OverflowError) as error:  # e.g. a width too large to describe
+        raise ValueError(
+            f"{directory}: the config embedded in {HEADS_FILE} describes heads that cannot be built "
+            f"({str(error).splitlines()[0]}); re-export the heads"
+        ) from None
+    missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: {HEADS_FILE} does not match heads.json (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); re-export the heads"
+        )
+    for name, shape in expected.items():
+        if list(stored[name]) != shape:
+            raise ValueError(
+                f"{directory}: tensor {name!r} has shape {list(stored[name])} but heads.json describes {shape}; "
+                "re-export the heads"
+            )

@@ -181,6 +181,17 @@ def test_checkpoint_with_pickled_objects_needs_trust(llamagen, tmp_path):
     assert torch.equal(loaded.model.output.weight, llamagen.model.output.weight)
 
 
+@pytest.mark.parametrize("trust_pickle", [False, True])
+def test_a_truncated_checkpoint_is_called_damaged_not_untrusted(llamagen, tmp_path, trust_pickle):
+    """A cut-off download must not steer anyone to unsafe loading: it says to download again."""
+    path = tmp_path / "c2i_tiny_cut.pt"
+    torch.save({"model": llamagen.model.state_dict()}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match="is damaged or not a PyTorch checkpoint") as raised:
+        load_llamagen_backbone(path, model="tiny", device="cpu", dtype="float32", trust_pickle=trust_pickle)
+    assert "trust_pickle" not in str(raised.value) and "download it again" in str(raised.value)
+
+
 def test_bare_fsdp_style_state_dict_loads(llamagen, tmp_path):
     torch.save(llamagen.model.state_dict(), tmp_path / "c2i_tiny_64.pt")
     loaded = load_llamagen_backbone(tmp_path, model="tiny", image_size=64, device="cpu", dtype="float32")

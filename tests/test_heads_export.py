@@ -110,3 +110,38 @@ def test_row_attention_heads_round_trip_and_stay_lossless(tiny_backbone, tmp_pat
         generate_ssd(tiny_backbone, loaded, condition, sampling).tokens,
         generate_ar(tiny_backbone, condition, sampling).tokens,
     )
+
+
+def _rewrite(directory, change_config=None, change_tensors=None):
+    """Rewrite an export's safetensors with its embedded config and tensors changed (as a damaged or hostile
+    file would be)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = directory / HEADS_FILE
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    config = json.loads(metadata["config"])
+    if change_config:
+        change_config(config)
+    if change_tensors:
+        change_tensors(tensors)
+    save_file(tensors, str(path), metadata={"config": json.dumps(config)})
+
+
+def test_a_config_that_does_not_describe_the_tensors_is_refused_before_anything_is_built(tiny_backbone, tmp_path):
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    _rewrite(tmp_path, change_config=lambda config: config["head"].update(width=10**12))  # 10^24 parameters
+    with pytest.raises(ValueError, match="describes heads that cannot be built"):
+        load_heads(tmp_path, tiny_backbone)
+    _rewrite(tmp_path, change_config=lambda config: config["head"].update(width=10**12 // 10**6))
+    with pytest.raises(ValueError, match="has shape .* but heads.json describes"):
+        load_heads(tmp_path, tiny_backbone)
+
+
+def test_heads_with_non_finite_weights_are_refused(tiny_backbone, tmp_path):
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    _rewrite(tmp_path, change_tensors=lambda tensors: next(iter(tensors.values())).fill_(float("nan")))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        load_heads(tmp_path, tiny_backbone)
