@@ -121,12 +121,19 @@ class CorpusDataModule(pl.LightningDataModule):
         return Condition(class_ids=torch.arange(num_images) % self.spec.num_classes)
 
     def state_dict(self) -> dict:
-        """Saved in Lightning checkpoints: how many training batches this rank has consumed."""
+        """Saved in Lightning checkpoints: how many training batches of which size this rank has consumed."""
         trainer = getattr(self, "trainer", None)
         consumed = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
-        return {"train_batches_consumed": consumed}
+        return {"train_batches_consumed": consumed, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("batch_size", self.batch_size)
+        if saved != self.batch_size:  # the stream position is counted in batches: another size is another sample
+            raise ValueError(
+                f"the checkpoint consumed {state.get('train_batches_consumed', 0)} batches of {saved} samples but "
+                f"data.batch_size is {self.batch_size}: resume with data.batch_size={saved} (the data stream "
+                "would otherwise restart at another sample)"
+            )
         self.skip_batches = int(state.get("train_batches_consumed", 0))
 
 

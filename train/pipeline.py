@@ -34,6 +34,13 @@ def needs_backbone(node: DictConfig) -> bool:
 def _resume_path(cfg: DictConfig) -> str | None:
     resume = cfg.train.resume
     if resume in (False, None):
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        if last.is_file():  # starting over here would overwrite the interrupted run's checkpoint
+            raise FileExistsError(
+                f"{last} holds the checkpoint of an earlier run in this folder; continue it with "
+                "train.resume=true, or start a new run in another folder (hydra.run.dir=<new folder>). "
+                "Nothing was overwritten"
+            )
         return None
     if resume is True:
         last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
