@@ -150,10 +150,10 @@ def run_decode(cfg: DictConfig) -> dict:
     conditions = build_conditions(
         backbone, settings.num_images, cfg.decode.get("num_classes"), cfg.decode.prompts, cfg.decode.prompt_column
     )
+    load_artefacts(methods, backbone)  # heads of another backbone stop the run before anything else is built
     pixels_available = is_digits(backbone) or pixels_work(backbone)
     quality, quality_note = build_quality(cfg, backbone, pixels_available)
     print(f"[decode] quality: {quality_note}")
-    load_artefacts(methods, backbone)
     seeds = [settings.seed + k for k in range(settings.seeds)]
     runs = run_interleaved(methods, backbone, conditions, settings.batch_size, sampling, seeds)
 
@@ -172,6 +172,7 @@ def run_decode(cfg: DictConfig) -> dict:
     atomic_write_text(out / "summary.md", table + "\n")
     if len(methods) > 1:
         plot_speed_quality(report, out / "speed_quality.png")
+    _remove_stale_outputs(out, methods, settings, pixels_available, plotted=len(methods) > 1)
     print(table)
     written = ", ".join(f"{m.name}.png" for m in methods) if pixels_available else "no PNGs"
     print(f"[decode] wrote {out / 'metrics.json'}, {out / 'summary.md'} and {written}")
@@ -232,6 +233,22 @@ def _save_outputs(out: Path, name: str, runs: list[SeedRun], backbone, pixels_av
     if save:
         for k, run in enumerate(runs):
             save_tokens(run.tokens, out / (f"tokens_{name}.npy" if k == 0 else f"tokens_{name}_seed{run.seed}.npy"))
+
+
+def _remove_stale_outputs(out: Path, methods, settings: DecodeRunSettings, pixels_available: bool, plotted: bool):
+    """Delete the PNGs and token files an earlier run left in `out` that this run's metrics.json does not
+    describe, so that a folder never mixes two runs (other files are left alone)."""
+    written = {"speed_quality.png"} if plotted else set()
+    for method in methods:
+        if pixels_available:
+            written.add(f"{method.name}.png")
+        if settings.save_tokens:
+            written.add(f"tokens_{method.name}.npy")
+            written.update(f"tokens_{method.name}_seed{settings.seed + k}.npy" for k in range(1, settings.seeds))
+    for path in [*out.glob("*.png"), *out.glob("tokens_*.npy")]:
+        if path.name not in written:
+            log.info("removing %s: left by an earlier run into %s", path.name, out)
+            path.unlink()
 
 
 def _decode_pixels(backbone: ARImageBackbone, tokens: torch.Tensor, batch_size: int = 16) -> torch.Tensor:

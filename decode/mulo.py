@@ -110,6 +110,8 @@ class MuLoDecodeConfig:
             raise ValueError(f"MuLo proposal must be 'drafter' or 'point', got {self.proposal!r}")
         if self.drafter_cfg_scale < 0:
             raise ValueError(f"MuLo drafter_cfg_scale must be >= 0, got {self.drafter_cfg_scale}")
+        if self.delta > 1:  # a probability budget: above 1 every draft passes
+            raise ValueError(f"MuLo delta must be in [0, 1], got {self.delta}")
         if self.k < 0 or self.delta < 0 or self.radius < 0 or self.rounds < 0:
             raise ValueError(
                 f"MuLo k, delta, radius and rounds must be >= 0, got {self.k}, {self.delta}, "

@@ -125,6 +125,10 @@ class SSDDecodeConfig:
             )
         if not 0 <= self.lookahead_confidence <= 1:
             raise ValueError(f"SSD lookahead_confidence must be in [0, 1], got {self.lookahead_confidence}")
+        if self.relax_k < 0 or not 0 <= self.relax_delta <= 1:  # a probability budget: above 1 accepts anything
+            raise ValueError(
+                f"SSD relax_k must be >= 0 and relax_delta in [0, 1], got {self.relax_k}, {self.relax_delta}"
+            )
         if self.lookahead and (self.window or (self.mode == "autocorrect" and self.correction != "prefix")):
             raise ValueError(
                 "decode.ssd.lookahead needs window 0 and mode exact or correction prefix (it extends a "

@@ -168,6 +168,8 @@ def test_any_setting_is_overridden_and_two_presets_of_one_method_run_side_by_sid
         ("decode.presets.ssd_autocorrect.correction=both", "correction must be one of 'target', 'residual', 'prefix'"),
         ("+decode.presets.ssd_autocorrect.windw=3", "decode.presets.ssd_autocorrect: unknown setting windw"),
         ("decode.presets.mulo.delta=nan", "decode.presets.mulo.delta must be a finite number"),
+        ("decode.presets.mulo.delta=5", r"MuLo delta must be in \[0, 1\]"),  # a budget above 1 accepts anything
+        ("decode.presets.ssd_autocorrect.relax_delta=5", r"relax_delta in \[0, 1\]"),
         ("decode.presets.ssd_autocorrect.generator=decode.medusa", "no generator module 'decode.medusa'"),
         ("decode.presets.ssd_autocorrect.generator=decode.sampling", "declares no METHOD"),
         ("decode.methods=ssd_exact", "decode.methods must be a list of preset names"),
@@ -238,3 +240,30 @@ def test_seeds_run_every_method_again_and_interleaving_changes_no_token(tmp_path
     assert not np.array_equal(
         np.load(tmp_path / "together" / "tokens_ssd_exact.npy"), np.load(alone / "tokens_ssd_exact.npy")
     )  # seed 0 differs from seed 1
+
+
+def test_a_rerun_into_the_same_folder_leaves_only_what_its_metrics_describe(tmp_path, classifier_cache):
+    out = tmp_path / "out"
+    common = [
+        "backbone=digits_tiny",
+        "decode.num_images=2",
+        f"decode.out={out}",
+        f"paths.checkpoints_dir={classifier_cache}",
+    ]
+    _export_tiny_heads(hydra_backbone(common, tmp_path), tmp_path / "heads")
+    run_decode(
+        compose_config(
+            [*common, "decode.methods=[ar,ssd_exact]", "decode.save_tokens=true", f"decode.heads={tmp_path / 'heads'}"],
+            tmp_path,
+        )
+    )
+    assert {p.name for p in out.iterdir()} >= {"ar.png", "ssd_exact.png", "tokens_ssd_exact.npy", "speed_quality.png"}
+    (out / "notes.txt").write_text("mine")
+    run_decode(compose_config([*common, "decode.methods=[ar]"], tmp_path))
+    assert {p.name for p in out.iterdir()} == {"metrics.json", "summary.md", "ar.png", "notes.txt"}
+
+
+def hydra_backbone(overrides, tmp_path):
+    import hydra
+
+    return hydra.utils.instantiate(compose_config(overrides, tmp_path).backbone)
