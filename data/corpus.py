@@ -195,13 +195,14 @@ def build_corpus(
         _open_manifest(directory, spec, backbone.identity())
     barrier()  # the manifest exists (or the mismatch was raised) before anyone generates
     manifest = json.loads((directory / MANIFEST).read_text())
-    if not manifest["complete"]:
-        mine = [
-            i for i in range(spec.num_shards) if i % world_size == rank and not (directory / shard_name(i)).is_file()
-        ]
-        _generate_shards(backbone, directory, spec, mine)
+    missing = [i for i in range(spec.num_shards) if not (directory / shard_name(i)).is_file()]
+    if missing or not manifest["complete"]:
+        if manifest["complete"] and rank == 0:  # a shard deleted after the build (damaged): made again
+            log.info("regenerating %d missing shard(s) of %s: %s", len(missing), directory, missing)
+        # Each shard has its own seed, so a regenerated shard holds the images the lost one held.
+        _generate_shards(backbone, directory, spec, [i for i in missing if i % world_size == rank])
         barrier()  # every shard is written
-        if rank == 0:
+        if rank == 0 and not manifest["complete"]:
             atomic_write_text(directory / MANIFEST, json.dumps({**manifest, "complete": True}, indent=2) + "\n")
             log.info("corpus of %d images in %s", spec.num_images, directory)
     return directory
@@ -279,6 +280,9 @@ def batch_condition(batch: dict) -> Condition:
     raise KeyError(f"a corpus batch needs 'class_id' or 'prompt', got keys {sorted(batch)}")
 
 
+REGENERATES = "missing shards, each from its own seed (the same images)"
+
+
 class CorruptShardError(RuntimeError):
     """A corpus shard could not be read."""
 
@@ -297,7 +301,7 @@ def _decode_sample(sample: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged sample
         raise CorruptShardError(
             f"sample {key} of {sample.get('__url__', 'a corpus shard')} is damaged ({error}); "
-            "delete that shard and rebuild the corpus to regenerate it"
+            f"delete that shard and rerun the training command: the corpus build regenerates {REGENERATES}"
         ) from error
     return out
 
@@ -307,7 +311,7 @@ def _raise_with_shard(error: Exception) -> bool:
     shard = next((a for a in reversed(error.args) if isinstance(a, str) and a.endswith(".tar")), "a corpus shard")
     raise CorruptShardError(
         f"{shard} is unreadable or truncated ({error.args[0] if error.args else error}); "
-        "delete it and rebuild the corpus (the build regenerates missing shards only)"
+        f"delete it and rerun the training command: the corpus build regenerates {REGENERATES}"
     ) from error
 
 
@@ -317,7 +321,8 @@ def corpus_dataset(directory: str | Path, shards: list[str], shuffle: int = 0, r
     missing = [u for u in urls if not Path(u).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"corpus shards missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; rebuild the corpus"
+            f"corpus shards missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; rerun the training "
+            f"command: the corpus build regenerates {REGENERATES}"
         )
     dataset = wds.WebDataset(
         urls,

@@ -196,3 +196,14 @@ def test_grid_heads_train_and_log_their_acceptance(tiny_backbone, tmp_path):
     assert torch.isfinite(loss) and 0 < float(logs["acceptance_grid"]) <= 1
     loss.backward()
     assert module.heads.grid.mlp[-1].weight.grad.abs().sum() > 0
+
+
+def test_following_the_damaged_shard_advice_regenerates_the_same_images(tiny_backbone, tmp_path):
+    """Delete the shard the error names, rerun the build: it comes back with the images it held."""
+    spec = CorpusSpec(num_images=8, shard_size=4, batch_size=4)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    before = [sample["tokens"] for sample in corpus_dataset(tmp_path, [shard_name(1)])]
+    (tmp_path / shard_name(1)).unlink()
+    build_corpus(tiny_backbone, tmp_path, spec)  # what rerunning the training command does first
+    after = [sample["tokens"] for sample in corpus_dataset(tmp_path, [shard_name(1)])]
+    assert len(after) == 4 and all(torch.equal(a, b) for a, b in zip(before, after))
