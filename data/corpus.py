@@ -195,7 +195,8 @@ def build_corpus(
         _open_manifest(directory, spec, backbone.identity())
     barrier()  # the manifest exists (or the mismatch was raised) before anyone generates
     manifest = json.loads((directory / MANIFEST).read_text())
-    missing = [i for i in range(spec.num_shards) if not (directory / shard_name(i)).is_file()]
+    checksums = manifest.get("checksums", False)  # corpora built before checksums have none to require
+    missing = [i for i in range(spec.num_shards) if not _shard_is_whole(directory / shard_name(i), checksums)]
     if missing or not manifest["complete"]:
         if manifest["complete"] and rank == 0:  # a shard deleted after the build (damaged): made again
             log.info("regenerating %d missing shard(s) of %s: %s", len(missing), directory, missing)
@@ -224,6 +225,7 @@ def _open_manifest(directory: Path, spec: CorpusSpec, identity: dict) -> None:
         "spec": asdict(spec),
         "backbone": identity,
         "complete": False,
+        "checksums": True,  # every shard has a shard-NNNNN.tar.sha256 beside it, written after it
         "shards": [shard_name(i) for i in range(spec.num_shards)],
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
@@ -269,6 +271,8 @@ def _generate_shards(backbone: ARImageBackbone, directory: Path, spec: CorpusSpe
                 while written in ready:
                     sink.write(ready.pop(written))
                     written += 1
+        # After the shard: a shard without its checksum (killed in between) counts as missing and is made again.
+        atomic_write_text(checksum_path(directory / shard_name(shard)), file_sha256(directory / shard_name(shard)))
 
 
 def batch_condition(batch: dict) -> Condition:
@@ -281,6 +285,45 @@ def batch_condition(batch: dict) -> Condition:
 
 
 REGENERATES = "missing shards, each from its own seed (the same images)"
+_VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of shards whose checksum matched in this process
+
+
+def checksum_path(shard: Path) -> Path:
+    """Where a shard's SHA-256 is kept: beside it, ``shard-NNNNN.tar.sha256``."""
+    return shard.with_name(shard.name + ".sha256")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _shard_is_whole(shard: Path, checksums: bool) -> bool:
+    return shard.is_file() and (not checksums or checksum_path(shard).is_file())
+
+
+def verify_shards(directory: Path, urls: list[str]) -> None:
+    """Check each shard against its checksum (once per process and file version), when the corpus has them."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file() or not json.loads(manifest_path.read_text()).get("checksums", False):
+        return
+    for url in urls:
+        shard = Path(url)
+        stat = shard.stat()
+        key = (str(shard), stat.st_size, stat.st_mtime_ns)
+        if key in _VERIFIED:
+            continue
+        recorded = checksum_path(shard).read_text().strip() if checksum_path(shard).is_file() else None
+        if recorded != file_sha256(shard):
+            raise CorruptShardError(
+                f"{shard} does not match its checksum ({'none recorded' if recorded is None else 'changed'}): it "
+                "was damaged, edited or copied from another corpus; delete it and rerun the training command: "
+                f"the corpus build regenerates {REGENERATES}"
+            )
+        _VERIFIED.add(key)
 
 
 class CorruptShardError(RuntimeError):
@@ -324,6 +367,7 @@ def corpus_dataset(directory: str | Path, shards: list[str], shuffle: int = 0, r
             f"corpus shards missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; rerun the training "
             f"command: the corpus build regenerates {REGENERATES}"
         )
+    verify_shards(Path(directory), urls)
     dataset = wds.WebDataset(
         urls,
         shardshuffle=len(urls) if shuffle else False,

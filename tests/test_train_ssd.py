@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import compose_config
 
@@ -108,6 +109,11 @@ def test_damaged_shards_are_named(tiny_backbone, tmp_path):
     shard = tmp_path / shard_name(1)
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2 + 100])  # truncated mid-sample
+    with pytest.raises(CorruptShardError, match=r"shard-00001.tar does not match its checksum"):
+        list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
+    # A corpus built before checksums: the damage is still named, by the sample or the tar header.
+    manifest = json.loads((tmp_path / "corpus.json").read_text())
+    (tmp_path / "corpus.json").write_text(json.dumps({**manifest, "checksums": False}))
     with pytest.raises(CorruptShardError, match=r"sample 0000000\d of .*shard-00001.tar"):
         list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
     shard.write_bytes(data[:1000] + b"\x00garbage" * 100 + data[1800:])  # a damaged tar header
@@ -207,3 +213,25 @@ def test_following_the_damaged_shard_advice_regenerates_the_same_images(tiny_bac
     build_corpus(tiny_backbone, tmp_path, spec)  # what rerunning the training command does first
     after = [sample["tokens"] for sample in corpus_dataset(tmp_path, [shard_name(1)])]
     assert len(after) == 4 and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("damage", ["flipped payload bytes", "a shard of another corpus", "no checksum"])
+def test_shards_are_checked_against_their_checksums(tiny_backbone, tmp_path, damage):
+    from data.corpus import CorruptShardError, checksum_path
+
+    build_corpus(tiny_backbone, tmp_path / "a", CorpusSpec(num_images=8, shard_size=4, batch_size=4))
+    shard = tmp_path / "a" / shard_name(1)
+    if damage == "flipped payload bytes":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside a sample's payload: the tar still reads
+        shard.write_bytes(bytes(data))
+    elif damage == "a shard of another corpus":
+        build_corpus(tiny_backbone, tmp_path / "b", CorpusSpec(num_images=8, shard_size=4, batch_size=4, seed=1))
+        shard.write_bytes((tmp_path / "b" / shard_name(1)).read_bytes())
+    else:
+        checksum_path(shard).unlink()
+    with pytest.raises(CorruptShardError, match="shard-00001.tar does not match its checksum"):
+        list(corpus_dataset(tmp_path / "a", [shard_name(0), shard_name(1)]))
+    if damage == "no checksum":  # killed between the shard and its checksum: the build makes it again
+        build_corpus(tiny_backbone, tmp_path / "a", CorpusSpec(num_images=8, shard_size=4, batch_size=4))
+        assert len(list(corpus_dataset(tmp_path / "a", [shard_name(1)]))) == 4
