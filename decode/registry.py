@@ -34,6 +34,8 @@ from decode.settings import settings_from
 
 log = logging.getLogger(__name__)
 BASELINE = "ar"
+# What makes each kind of export for the embedded digits backbone (named when an export is missing).
+TRAINING_COMMANDS = {"ssd": "python -m train", "mulo": "python -m train +experiment=mulo_digits"}
 
 
 @dataclass
@@ -133,5 +135,15 @@ def load_artefacts(methods: list[Method], backbone: ARImageBackbone) -> None:
             continue
         key = (str(method.artefact_path), method.spec.artefact_kind)
         if key not in loaded:
-            loaded[key] = load_heads(method.artefact_path, backbone, device=device, kind=method.spec.artefact_kind)
+            try:
+                loaded[key] = load_heads(method.artefact_path, backbone, device=device, kind=method.spec.artefact_kind)
+            except FileNotFoundError:
+                command = TRAINING_COMMANDS.get(
+                    method.spec.artefact_kind, "python -m train +experiment=<its experiment>"
+                )
+                raise FileNotFoundError(
+                    f"decode method {method.name!r} needs the export at {method.artefact_path}, which does not exist; "
+                    f"make it with `{command}` (the digits backbone; for another backbone its own experiment, e.g. "
+                    f"+experiment=ssd_janus) or point decode.presets.{method.name}.{method.spec.artefact} at one"
+                ) from None
         method.artefact = loaded[key]

@@ -267,3 +267,28 @@ def hydra_backbone(overrides, tmp_path):
     import hydra
 
     return hydra.utils.instantiate(compose_config(overrides, tmp_path).backbone)
+
+
+def test_the_comparison_experiment_runs_every_method_at_both_batch_sizes(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from common.paths import PROJECT_ROOT
+    from decode.registry import check_methods
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=compare_digits"], return_hydra_config=True)
+    names = [m.name for m in check_methods(cfg.decode)]
+    assert names == ["ar", "ssd_exact", "ssd_autocorrect", "mulo", "mulo_exact", "sjd", "gsd", "zipar"]
+    assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params["decode.batch_size"] == "1,16"
+    assert cfg.decode.seeds >= 2 and cfg.decode.heads.endswith("checkpoints/ssd_digits")
+
+
+def test_a_missing_export_names_the_experiment_that_makes_it(tmp_path):
+    from decode.registry import check_methods, load_artefacts
+
+    cfg = compose_config(
+        ["backbone=digits_tiny", "decode.methods=[ar,mulo]", f"decode.drafter={tmp_path / 'none'}"], tmp_path
+    )
+    methods = check_methods(cfg.decode)
+    with pytest.raises(FileNotFoundError, match=r"python -m train \+experiment=mulo_digits"):
+        load_artefacts(methods, hydra_backbone(["backbone=digits_tiny"], tmp_path))

@@ -1,6 +1,7 @@
 """Hydra multirun sweeps end with a ranked summary."""
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -120,3 +121,47 @@ def test_a_decode_setting_swept_with_multirun_lands_in_one_summary_table(tmp_pat
     assert "quality.classifier_accuracy" in rows[0]
     for job in (0, 1):  # each job wrote its own report
         assert (tmp_path / "sweep" / str(job) / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, classifier_cache):
+    """python -m decode +experiment=compare_digits, shrunk to the tiny backbone: every method, both batch sizes."""
+    import hydra
+    from conftest import compose_config
+    from test_decode_cli import _export_tiny_drafter, _export_tiny_heads
+
+    backbone = hydra.utils.instantiate(compose_config(["backbone=digits_tiny"], tmp_path).backbone)
+    _export_tiny_heads(backbone, tmp_path / "heads")
+    _export_tiny_drafter(backbone, tmp_path / "drafter")
+    command = [
+        sys.executable,
+        "-m",
+        "decode",
+        "+experiment=compare_digits",
+        "backbone=digits_tiny",
+        "decode.num_images=2",
+        "decode.seeds=2",
+        "hydra.sweeper.params={decode.batch_size: '1,2'}",
+        f"decode.heads={tmp_path / 'heads'}",
+        f"decode.drafter={tmp_path / 'drafter'}",
+        f"paths.checkpoints_dir={classifier_cache}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    done = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2 * 8  # a row per job and method
+    for job in ("0", "1"):
+        metrics = json.loads((tmp_path / "sweep" / job / "metrics.json").read_text())
+        assert set(metrics["methods"]) == {
+            "ar",
+            "ssd_exact",
+            "ssd_autocorrect",
+            "mulo",
+            "mulo_exact",
+            "sjd",
+            "gsd",
+            "zipar",
+        }
+        assert metrics["seeds"] == [0, 1]
