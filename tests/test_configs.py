@@ -94,7 +94,10 @@ def test_experiments_compose_and_resolve(experiment, tmp_path):
     OmegaConf.to_container(cfg.module, resolve=True)
     first_lines = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text().splitlines()[:2]
     assert first_lines[0] == "# @package _global_"
-    assert first_lines[1].startswith(f"# python -m train +experiment={experiment}")
+    # The first comment says how to run it: a training experiment, or a decode one (compare_digits).
+    assert first_lines[1].startswith(
+        (f"# python -m train +experiment={experiment}", f"# python -m decode +experiment={experiment}")
+    )
 
 
 def test_paths_are_absolute_and_independent_of_the_working_directory(tmp_path, monkeypatch):
