@@ -108,6 +108,18 @@ class DecodeState:
         return 2 * self.batch_size if self.guided else self.batch_size
 
 
+def contiguous_slice(vocabulary_ids: torch.Tensor) -> slice | None:
+    """The slice the ids (V,) cover when they run consecutively (codebook order in the vocabulary), else None.
+
+    A family whose image tokens are contiguous slices its head's weight (a view) instead of gathering the
+    codebook's rows on every call.
+    """
+    first = int(vocabulary_ids[0])
+    # Explicitly on the CPU: adapters may be built under a device context (meta, CUDA; backbones/published_sizes.py).
+    consecutive = torch.equal(vocabulary_ids.cpu(), torch.arange(first, first + len(vocabulary_ids), device="cpu"))
+    return slice(first, first + len(vocabulary_ids)) if consecutive else None
+
+
 def group_by_prompt_length(
     backbone: ARImageBackbone, condition: Condition, max_batch: int | None = None
 ) -> list[tuple[torch.Tensor, Condition]]:
@@ -239,13 +251,17 @@ class ARImageBackbone(nn.Module, ABC):
 
     # ---- shared mechanics ------------------------------------------------------------------
 
+    def cache_capacity(self, prefix_length: int) -> int:
+        """Cache positions of the prompt and the whole image (with its end-of-line tokens)."""
+        return prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
+
     def image_cache(self, num_layers: int, prefix_length: int):
-        """A KV cache preallocated for the prompt and the whole image (with its end-of-line tokens).
+        """A KV cache preallocated for the prompt and the whole image (`cache_capacity`).
 
         Appending writes in place (backbones/kv_cache.py): transformers' DynamicCache copies the
         whole cache on every pass, which makes the baseline slower than it needs to be.
         """
-        return preallocated_cache(num_layers, prefix_length + self.geometry.flat_length(self.geometry.num_tokens))
+        return preallocated_cache(num_layers, self.cache_capacity(prefix_length))
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Append grid tokens (B, T) after the ones already in `state`; return their hidden states.
@@ -278,7 +294,7 @@ class ARImageBackbone(nn.Module, ABC):
             raise ValueError(f"step_at got {flat_tokens.shape[0]} rows of tokens for a batch of {state.batch_size}")
         if state.guided:
             flat_tokens = torch.cat([flat_tokens, flat_tokens], dim=0)
-        capacity = state.prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
+        capacity = self.cache_capacity(state.prefix_length)
         slots = state.prefix_length + flat_positions.to(flat_tokens.device)
         if bool((slots >= capacity).any()):
             raise ValueError(f"step_at: flat positions past the image ({int(flat_positions.max())})")

@@ -52,6 +52,7 @@ from backbones.base import (
     Condition,
     DecodeState,
     ImageGeometry,
+    contiguous_slice,
     pooled_prompt_embedding,
 )
 from backbones.hf_loading import (
@@ -123,9 +124,7 @@ class Emu3Backbone(ARImageBackbone):
         self.register_buffer("_codebook_to_vocab", mapping, persistent=False)
         # Real Emu3 checkpoints keep the visual tokens contiguous and in codebook order: then `logits`
         # slices lm_head's weight (a view) instead of gathering 32768 rows on every call.
-        first = int(mapping[0])
-        contiguous = torch.equal(mapping[:-1], torch.arange(first, first + self.codebook_size, device="cpu"))
-        self._visual_slice = slice(first, first + self.codebook_size) if contiguous else None
+        self._visual_slice = contiguous_slice(mapping[:-1])
 
     # ---- prompts --------------------------------------------------------------------------
 

@@ -85,18 +85,16 @@ def preallocated_cache(num_layers: int, capacity: int) -> Cache:
 
 @contextmanager
 def writing_at(cache, slots: torch.Tensor) -> Iterator[None]:
-    """Inside the block, the cache's layers (a preallocated Cache, or LlamaGen's) write this pass's keys and
-    values at `slots` (T,) and return every slot; the length reported afterwards covers the furthest slot."""
-    layers = getattr(cache, "layers", None) or [cache]
-    for layer in layers:
+    """Inside the block, the cache's preallocated layers (a transformers Cache, or LlamaGen's) write this
+    pass's keys and values at `slots` (T,) and return every slot; the length reported afterwards covers the
+    furthest slot."""
+    for layer in cache.layers:
         layer.write_slots = slots
     try:
         yield
     finally:
         furthest = int(slots.max()) + 1
-        for layer in layers:
+        for layer in cache.layers:
             layer.write_slots = None
-            if isinstance(layer, PreallocatedLayer) and layer.is_initialized:
+            if layer.is_initialized:
                 layer._expose(max(layer.length, furthest))
-            elif not isinstance(layer, PreallocatedLayer):
-                layer.length = max(layer.length, furthest)

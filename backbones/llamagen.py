@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.kv_cache import PreallocatedLayer
 
 RELEASES = "https://huggingface.co/FoundationVision/LlamaGen"
 VQ_FILE = "vq_ds16_c2i.pt"
@@ -167,42 +168,27 @@ class LabelEmbedder(nn.Module):
 class LlamaGenCache:
     """Per-layer key/value buffers (rows, kv_heads, capacity, head_dim), filled in place and cropped back.
 
-    Sized once for the class tokens and the whole image: appending writes into the
-    buffers instead of concatenating (which copied the whole cache on every pass).
+    One `PreallocatedLayer` per layer (backbones/kv_cache.py), addressed by layer index as LlamaGen's own
+    attention calls it: appending writes into the buffers instead of concatenating (which copied the whole
+    cache on every pass), and ZipAR's `writing_at` works on it as on the transformers adapters' caches.
     """
 
     def __init__(self, num_layers: int, capacity: int):
-        self.capacity = capacity
-        self.length = 0
-        self.write_slots: torch.Tensor | None = None  # ZipAR's position-addressed passes (backbones/kv_cache.py)
-        self._keys: list[torch.Tensor | None] = [None] * num_layers
-        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self.layers = [PreallocatedLayer(capacity) for _ in range(num_layers)]
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.layers[0].get_seq_length()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this pass's keys and values (rows, kv_heads, T, head_dim) after the cached ones; views of all."""
-        if self._keys[layer] is None:
-            rows, heads, _, dim = k.shape
-            self._keys[layer] = k.new_zeros(rows, heads, self.capacity, dim)
-            self._values[layer] = v.new_zeros(rows, heads, self.capacity, dim)
-        if self.write_slots is not None:
-            self._keys[layer].index_copy_(2, self.write_slots, k)
-            self._values[layer].index_copy_(2, self.write_slots, v)
-            return self._keys[layer], self._values[layer]
-        end = self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"the KV cache holds {self.capacity} positions, {end} were fed")
-        self._keys[layer][:, :, self.length : end] = k
-        self._values[layer][:, :, self.length : end] = v
-        if layer == len(self._keys) - 1:  # every layer has written this pass
-            self.length = end
-        return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
+        return self.layers[layer].update(k, v)
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` positions; a negative value removes that many (transformers' convention)."""
-        self.length = self.length + max_length if max_length < 0 else min(max_length, self.length)
+        length = self.get_seq_length()
+        remove = -max_length if max_length < 0 else max(0, length - max_length)
+        for layer in self.layers:
+            layer.crop(-remove)
 
 
 class Attention(nn.Module):
@@ -341,9 +327,7 @@ class LlamaGenBackbone(ARImageBackbone):
         if guided:
             class_ids = torch.cat([class_ids, torch.full_like(class_ids, self.config.null_class)])
         state = DecodeState(
-            cache=LlamaGenCache(
-                self.config.n_layer, self.config.cls_token_num + self.geometry.flat_length(self.geometry.num_tokens)
-            ),
+            cache=LlamaGenCache(self.config.n_layer, self.cache_capacity(self.config.cls_token_num)),
             batch_size=condition.batch_size,
             guided=guided,
             prefix_length=self.config.cls_token_num,

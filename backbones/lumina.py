@@ -72,6 +72,7 @@ from backbones.base import (
     Condition,
     DecodeState,
     ImageGeometry,
+    contiguous_slice,
     pooled_prompt_embedding,
 )
 from backbones.hf_loading import (
@@ -148,11 +149,8 @@ class LuminaBackbone(ARImageBackbone):
             )
         mapping = torch.tensor([img2bpe[k] for k in range(self.codebook_size)], dtype=torch.long, device="cpu")
         self.register_buffer("codebook_to_vocab", mapping, persistent=False)
-        # Chameleon keeps its image tokens contiguous and in codebook order: then `logits` slices lm_head's
-        # weight (a view) instead of gathering the codebook's rows on every call.
-        first = int(mapping[0])
-        contiguous = torch.equal(mapping, torch.arange(first, first + self.codebook_size, device="cpu"))
-        self._image_slice = slice(first, first + self.codebook_size) if contiguous else None
+        # Chameleon keeps its image tokens contiguous and in codebook order: `logits` slices lm_head then.
+        self._image_slice = contiguous_slice(mapping)
         if not 0 <= eol_token_id < config.vocab_size or eol_token_id in img2bpe.values():
             raise ValueError(f"{name}: eol_token_id={eol_token_id} is not a non-image vocabulary id")
         self.eol_token_id = int(eol_token_id)
