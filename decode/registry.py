@@ -35,7 +35,11 @@ from decode.settings import settings_from
 log = logging.getLogger(__name__)
 BASELINE = "ar"
 # What makes each kind of export for the embedded digits backbone (named when an export is missing).
-TRAINING_COMMANDS = {"ssd": "python -m train", "mulo": "python -m train +experiment=mulo_digits"}
+TRAINING_COMMANDS = {
+    "ssd": "python -m train",
+    "mulo": "python -m train +experiment=mulo_digits",
+    "eagle": "python -m train +experiment=eagle_digits",
+}
 
 
 @dataclass

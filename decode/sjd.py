@@ -84,6 +84,49 @@ class JacobiWindow:
     q: torch.Tensor
 
 
+@dataclass
+class WindowVerdict:
+    """What one verification pass over a window gives: its states and targets, the new committed counts."""
+
+    hidden: torch.Tensor  # (cache rows, span, H): hidden[:, j] predicts window.start + j + 1
+    p: torch.Tensor  # (B, span, V) the target distributions of those states
+    committed: torch.Tensor  # (B,) tokens fixed per image after the pass
+    drafted: int  # drafts tested (up to and including each image's first rejection)
+    accepted: int  # drafts kept
+
+
+def verify_window(
+    backbone: ARImageBackbone,
+    state,
+    tokens: torch.Tensor,
+    committed: torch.Tensor,
+    window: JacobiWindow,
+    span: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    accept: AcceptRule,
+) -> WindowVerdict:
+    """One pass over the window's first `span` positions (from the slowest image's last committed token):
+    test each image's drafts left to right with `accept`, commit up to its first rejection and the token
+    after it (`commit_accepted`), and roll the cache back to the slowest image's last committed token.
+    Shared by SJD, GSD, EAGLE and LANTERN; `tokens` (B, N) is updated in place."""
+    batch, device = tokens.shape[0], tokens.device
+    feed = window.tokens[:, :span]
+    hidden = backbone.step(state, feed)
+    p = target_distributions(backbone, state, hidden, sampling)  # p[:, j] predicts window.start + j + 1
+    positions = window.start + torch.arange(1, span, device=device)  # what the window's drafts stand for
+    is_draft = positions[None] >= committed[:, None]  # (B, span - 1)
+    uniforms = torch.rand(batch, span - 1, generator=generator, device=device)
+    passed = accept(p[:, :-1], window.q[:, 1:span], feed[:, 1:], uniforms) | ~is_draft
+    rejected_at = first_true(~passed, none=span - 1)  # window offset - 1 of the first rejection
+    offsets = torch.arange(span - 1, device=device)
+    drafted = int((is_draft & (offsets <= rejected_at[:, None])).sum())
+    accepted = int((is_draft & (offsets < rejected_at[:, None])).sum())
+    new_committed = commit_accepted(tokens, committed, window, p, feed, rejected_at, span, generator)
+    backbone.rollback(state, int(new_committed.min()) - 1)
+    return WindowVerdict(hidden, p, new_committed, drafted, accepted)
+
+
 @torch.inference_mode()
 def generate_jacobi(
     backbone: ARImageBackbone,
@@ -99,25 +142,16 @@ def generate_jacobi(
     device = first_state.device
     batch = condition.batch_size
     tokens = torch.zeros(batch, total, dtype=torch.long, device=device)
-    tokens[:, 0] = sample_from(_p(backbone, state, first_state, sampling), generator)[:, 0]
+    tokens[:, 0] = sample_from(target_distributions(backbone, state, first_state, sampling), generator)[:, 0]
     committed = torch.ones(batch, dtype=torch.long, device=device)  # tokens fixed per image
     window = _refill(backbone, tokens, committed, 0, None, None, config, generator)
     passes, drafted, accepted = 1, 0, 0
     while int(committed.min()) < total:
         span = min(config.window, total - window.start)
-        feed = window.tokens[:, :span]
-        p = _p(backbone, state, backbone.step(state, feed), sampling)  # p[:, j] predicts window.start + j + 1
-        passes += 1
-        positions = window.start + torch.arange(1, span, device=device)  # what the window's drafts stand for
-        is_draft = positions[None] >= committed[:, None]  # (B, span - 1)
-        uniforms = torch.rand(batch, span - 1, generator=generator, device=device)
-        passed = accept(p[:, :-1], window.q[:, 1:span], feed[:, 1:], uniforms) | ~is_draft
-        rejected_at = first_true(~passed, none=span - 1)  # window offset - 1 of the first rejection
-        drafted += int((is_draft & (torch.arange(span - 1, device=device) <= rejected_at[:, None])).sum())
-        accepted += int((is_draft & (torch.arange(span - 1, device=device) < rejected_at[:, None])).sum())
-        committed = _commit(tokens, committed, window, p, feed, rejected_at, span, generator)
-        backbone.rollback(state, int(committed.min()) - 1)
-        window = _refill(backbone, tokens, committed, window.start, p, span, config, generator)
+        verdict = verify_window(backbone, state, tokens, committed, window, span, sampling, generator, accept)
+        passes, drafted, accepted = passes + 1, drafted + verdict.drafted, accepted + verdict.accepted
+        committed = verdict.committed
+        window = _refill(backbone, tokens, committed, window.start, verdict.p, span, config, generator)
     return GenerationResult(
         tokens.view(batch, backbone.geometry.rows, backbone.geometry.cols),
         forward_passes=passes,
@@ -126,13 +160,21 @@ def generate_jacobi(
     )
 
 
-def _p(backbone: ARImageBackbone, state, hidden: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+def target_distributions(
+    backbone: ARImageBackbone, state, hidden: torch.Tensor, sampling: SamplingConfig
+) -> torch.Tensor:
     """The target distributions (B, T, V) of the states `hidden` (cache rows, T, H), guided like the baseline."""
     return token_distribution(backbone.scores(state, hidden, sampling.cfg_scale), sampling)
 
 
-def _commit(tokens, committed, window: JacobiWindow, p, feed, rejected_at, span: int, generator) -> torch.Tensor:
+def commit_accepted(
+    tokens, committed, window: JacobiWindow, p, feed, rejected_at, span: int, generator
+) -> torch.Tensor:
     """Write each image's accepted drafts and its next token; return the new committed counts.
+
+    Shared by every method that verifies a window from the slowest image's last committed token
+    (SJD, GSD, EAGLE, LANTERN): `feed` (B, span) the window's tokens, `p` (B, span, V) the pass's target
+    distributions, `rejected_at` (B,) each image's first rejected window offset - 1 (span - 1: none).
 
     At a rejection (offset r: position start + r + 1) the token comes from the residual; where every draft
     passed, from the pass's last state (position start + span), unless the image is further ahead already.

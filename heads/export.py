@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.atomic_io import atomic_save_safetensors, atomic_write_text
+from heads.eagle import EagleHead, EagleHeadConfig
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
 
@@ -38,6 +39,7 @@ FORMAT_VERSION = 1
 HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {
     "ssd": (SSDHeads, SSDHeadConfig),
     "mulo": (MuLoDrafter, MuLoDrafterConfig),
+    "eagle": (EagleHead, EagleHeadConfig),
 }
 
 
@@ -112,7 +114,7 @@ def load_heads(
 ) -> nn.Module:
     """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it.
 
-    `kind` ("ssd", "mulo") refuses an export of another kind. A MuLo drafter records its
+    `kind` ("ssd", "mulo", "eagle") refuses an export of another kind. A MuLo drafter records its
     backbone's grid, r, codebook and conditioning (``head`` in heads.json) and is bound to `backbone`.
     """
     directory = Path(directory)

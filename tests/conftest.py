@@ -62,10 +62,30 @@ def random_ssd_heads(hidden_size: int, seed: int = 0, std: float = 0.5, grid: bo
     return heads.eval()
 
 
+def random_eagle_head(backbone, seed: int = 0, std: float = 0.3):
+    """An untrained head with random weights: losslessness must not depend on the head's quality."""
+    from heads.eagle import EagleHead, EagleHeadConfig
+
+    torch.manual_seed(seed)
+    heads = 2 if backbone.hidden_size % 2 == 0 else 1
+    head = EagleHead(
+        EagleHeadConfig(
+            hidden_size=backbone.hidden_size,
+            num_heads=heads,
+            intermediate_size=2 * backbone.hidden_size,
+            max_positions=backbone.geometry.num_tokens,
+        )
+    )
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=std)
+    return head.eval()
+
+
 def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scale: float) -> None:
-    """The lossless contract every backbone must keep: greedy exact SSD and SJD, and ZipAR with a window of
-    a whole row, return greedy AR's tokens."""
+    """The lossless contract every backbone must keep: greedy exact SSD, SJD and EAGLE, and ZipAR with a window
+    of a whole row, return greedy AR's tokens."""
     from decode import SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
+    from decode.eagle import EagleDecodeConfig, generate_eagle
     from decode.sjd import SJDDecodeConfig, generate_sjd
     from decode.zipar import ZipARDecodeConfig, generate_zipar
 
@@ -80,6 +100,11 @@ def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scal
     for config in (SJDDecodeConfig(), SJDDecodeConfig(window=3, init="repeat_left")):
         jacobi = generate_sjd(backbone, condition, sampling, torch.Generator().manual_seed(0), config)
         assert torch.equal(jacobi.tokens, baseline.tokens), config
+    # EAGLE chains across rows (end-of-line tokens inside a chain) and past the image's end, from a random head.
+    for depth in (3, 40):
+        head = random_eagle_head(backbone)
+        eagle = generate_eagle(backbone, head, condition, sampling, None, EagleDecodeConfig(depth))
+        assert torch.equal(eagle.tokens, baseline.tokens), depth
     # ZipAR waiting for whole rows is the baseline: its position-addressed passes (and end-of-line stand-ins)
     # reproduce the appended ones.
     zipar = generate_zipar(backbone, condition, sampling, config=ZipARDecodeConfig(window=backbone.geometry.cols))

@@ -20,8 +20,14 @@ def options(group: str) -> list[str]:
 
 
 # Options that need other tiny companions: the backbone recipe reads raw digits, not a corpus;
-# the MuLo module trains a drafter, not SSD heads.
-TINY_SWAPS = {"backbone_digits": ["data=digits_tiny"], "mulo": ["head=mulo_tiny"], "mulo_digits": ["head=mulo_tiny"]}
+# the MuLo module trains a drafter, the EAGLE module a sequential head, not SSD heads.
+TINY_SWAPS = {
+    "backbone_digits": ["data=digits_tiny"],
+    "mulo": ["head=mulo_tiny"],
+    "mulo_digits": ["head=mulo_tiny"],
+    "eagle": ["head=eagle_tiny"],
+    "eagle_digits": ["head=eagle_tiny"],
+}
 
 
 def tiny_for(option: str) -> list[str]:

@@ -127,12 +127,15 @@ def test_a_decode_setting_swept_with_multirun_lands_in_one_summary_table(tmp_pat
 def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, classifier_cache):
     """python -m decode +experiment=compare_digits, shrunk to the tiny backbone: every method, both batch sizes."""
     import hydra
-    from conftest import compose_config
+    from conftest import compose_config, random_eagle_head
     from test_decode_cli import _export_tiny_drafter, _export_tiny_heads
+
+    from heads.export import export_heads
 
     backbone = hydra.utils.instantiate(compose_config(["backbone=digits_tiny"], tmp_path).backbone)
     _export_tiny_heads(backbone, tmp_path / "heads")
     _export_tiny_drafter(backbone, tmp_path / "drafter")
+    export_heads(random_eagle_head(backbone), tmp_path / "eagle", backbone.identity())
     command = [
         sys.executable,
         "-m",
@@ -144,6 +147,7 @@ def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, class
         "hydra.sweeper.params={decode.batch_size: '1,2'}",
         f"decode.heads={tmp_path / 'heads'}",
         f"decode.drafter={tmp_path / 'drafter'}",
+        f"decode.eagle_heads={tmp_path / 'eagle'}",
         f"paths.checkpoints_dir={classifier_cache}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
@@ -151,7 +155,7 @@ def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, class
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert len(rows) == 2 * 8  # a row per job and method
+    assert len(rows) == 2 * 11  # a row per job and method
     for job in ("0", "1"):
         metrics = json.loads((tmp_path / "sweep" / job / "metrics.json").read_text())
         assert set(metrics["methods"]) == {
@@ -163,5 +167,8 @@ def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, class
             "sjd",
             "gsd",
             "zipar",
+            "eagle",
+            "eagle_depth3",
+            "lantern",
         }
         assert metrics["seeds"] == [0, 1]

@@ -1,21 +1,10 @@
 """Self-distillation of SSD latent heads against a frozen backbone.
 
-Teacher: the frozen backbone's pre-norm hidden states on its own generations
-(computed online under no_grad, or read from an offline corpus). Students: the
-horizontal and vertical heads of heads/ssd.py. Loss per predicted state:
-
-    SmoothL1(predicted, target) * hidden_loss_weight
-    + KL(p_target || q_predicted) * kl_weight
-    + TV(p_target, q_predicted) * tv_weight
-
-where both distributions are the backbone's frozen final norm + head applied to
-the states and mixed with CFG exactly as decoding mixes them (EAGLE/LANTERN
-weights: 1.0 and 0.1; the total variation 1 - sum_x min(p, q) is one minus the
-expected acceptance itself, which DistillSpec (Zhou et al., 2023) uses as a
-distillation objective; off by default). The horizontal head is unrolled over
-its own predictions (`head.horizontal_unroll` steps, as EAGLE-3's training-time
-test does) so that it can draft a run along a row. Inputs get Gaussian feature
-noise.
+Students: the horizontal, vertical (and grid) heads of heads/ssd.py; teacher,
+loss and optimisation as every head's (train/head_distillation.py). The
+horizontal head is unrolled over its own predictions (`head.horizontal_unroll`
+steps, as EAGLE-3's training-time test does) so that it can draft a run along
+a row; so is the grid head. Inputs get Gaussian feature noise.
 
 Online targets work for any conditions of the corpus: class ids, or prompts of
 different token lengths (run as groups of equal length and put back in batch
@@ -26,84 +15,32 @@ backbones).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
-import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
 
-from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
-from data.corpus import batch_condition, grouped_teacher_forced_hidden
-from heads.export import export_heads
+from backbones.base import Condition
 from heads.ssd import SSDHeadConfig, SSDHeads
-from train.schedules import warmup_cosine
+from train.head_distillation import HeadDistillation
 
 
-class SSDDistillation(pl.LightningModule):
+class SSDDistillation(HeadDistillation):
     """Trains SSD heads; the backbone is frozen, only head parameters reach the optimizer."""
 
-    def __init__(
-        self,
-        backbone: ARImageBackbone,
-        head: dict,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        cfg_scale: float = 3.0,
-        hidden_loss_weight: float = 1.0,
-        kl_weight: float = 0.1,
-        warmup_steps: int = 50,
-        tv_weight: float = 0.0,
-    ):
-        super().__init__()
-        if cfg_scale < 0 or hidden_loss_weight < 0 or kl_weight < 0 or tv_weight < 0:
-            raise ValueError("module.cfg_scale, hidden_loss_weight, kl_weight and tv_weight must be >= 0")
-        self.save_hyperparameters(ignore=["backbone", "optimizer"])
-        self.backbone = backbone.eval().requires_grad_(False)
-        head = dict(head)
+    logged_predictions = {"vertical": "vertical", "horizontal_1": "horizontal", "grid_1": "grid"}
+
+    def build_heads(self, head: dict) -> SSDHeads:
         if head.get("width") is None:  # null: as wide as the backbone's hidden state (EAGLE-like)
-            head["width"] = backbone.hidden_size
-        self.heads = SSDHeads(SSDHeadConfig(hidden_size=backbone.hidden_size, **head))
-        self.optimizer_factory = optimizer
-        self.cfg_scale, self.guided = cfg_scale, cfg_scale != 1.0
-        self.hidden_loss_weight, self.kl_weight, self.warmup_steps = hidden_loss_weight, kl_weight, warmup_steps
-        self.tv_weight = tv_weight
-        self.strict_loading = False  # checkpoints carry the heads only (see on_save_checkpoint)
+            head["width"] = self.backbone.hidden_size
+        return SSDHeads(SSDHeadConfig(hidden_size=self.backbone.hidden_size, **head))
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.backbone.eval()  # frozen: no dropout, whatever Lightning toggles
-        return self
-
-    # ---- teacher ----------------------------------------------------------------------------
-
-    def teacher_hidden(self, batch: dict) -> torch.Tensor:
-        """Target states (twins * B, rows, cols, H), [cond; uncond] rows first, as `guide` expects."""
-        tokens = batch["tokens"]
-        rows, cols = self.backbone.geometry.rows, self.backbone.geometry.cols
-        if "hidden" in batch:  # offline: recorded at generation, (B, twins, N, H) in fp16
-            hidden = batch["hidden"].float().transpose(0, 1).flatten(0, 1)
-            if (hidden.shape[0] == 2 * tokens.shape[0]) != self.guided:
-                raise ValueError("the offline corpus was generated with a different CFG setting than module.cfg_scale")
-        else:
-            with torch.no_grad():  # prompts of different token lengths run as separate groups
-                hidden = grouped_teacher_forced_hidden(self.backbone, batch_condition(batch), tokens, self.guided)
-        return hidden.reshape(hidden.shape[0], rows, cols, -1)
-
-    def distribution_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """States (twins * B, ..., H) -> log-probabilities (B, ..., V) as decoding mixes them."""
-        logits = self.backbone.logits(hidden)
-        return (self.backbone.guide(logits, self.cfg_scale) if self.guided else logits.float()).log_softmax(-1)
-
-    # ---- student ----------------------------------------------------------------------------
+    def summary_acceptance(self, logs: dict) -> torch.Tensor:
+        return (logs["acceptance_vertical"] + logs["acceptance_horizontal"]) / 2
 
     def predictions(
         self, hidden: torch.Tensor, tokens: torch.Tensor, noise: bool
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """[(name, predicted states, target states)] for the vertical head and each horizontal unroll step."""
-        rows, cols = hidden.shape[1], hidden.shape[2]
-        embedded = self.backbone.embed_image_tokens(tokens.view(-1, rows, cols))  # (B, R, C, H)
-        if self.guided:
-            embedded = torch.cat([embedded, embedded])  # the twins see the same tokens
+        cols = hidden.shape[2]
+        embedded = self.embedded_tokens(tokens)
         inputs = hidden
         if noise and self.heads.config.input_noise > 0:
             scale = hidden.pow(2).mean(-1, keepdim=True).sqrt()  # pre-norm states vary in size; noise follows
@@ -125,99 +62,7 @@ class SSDDistillation(pl.LightningModule):
                 out.append((f"grid_{step}", predicted, hidden[:, 1:, step:]))
         return out
 
-    def losses(self, batch: dict, noise: bool) -> tuple[torch.Tensor, dict]:
-        hidden = self.teacher_hidden(batch)
-        total, logs = 0.0, {}
-        for name, predicted, target in self.predictions(hidden, batch["tokens"], noise):
-            hidden_loss = F.smooth_l1_loss(predicted, target)
-            p_log, q_log = self.distribution_logits(target), self.distribution_logits(predicted)
-            kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
-            total = total + self.hidden_loss_weight * hidden_loss + self.kl_weight * kl
-            logs[f"hidden_loss_{name}"], logs[f"kl_{name}"] = hidden_loss.detach(), kl.detach()
-            logged = name in ("vertical", "horizontal_1", "grid_1")
-            if not (logged or self.tv_weight):
-                continue  # the distributions' overlap is only needed for the TV term and the logs
-            p, q = p_log.exp(), q_log.exp()
-            acceptance = torch.minimum(p, q).sum(-1).mean()  # expected sum_x min(p, q) = 1 - TV(p, q)
-            if self.tv_weight:
-                total = total + self.tv_weight * (1 - acceptance)
-            if logged:
-                offset = name.split("_")[0]
-                logs[f"acceptance_{offset}"] = acceptance.detach()
-                logs[f"top1_{offset}"] = (p.argmax(-1) == q.argmax(-1)).float().mean().detach()
-        logs["acceptance"] = (logs["acceptance_vertical"] + logs["acceptance_horizontal"]) / 2
-        return total, logs
+    def sample_generate(self, group: Condition, sampling):
+        from decode import generate_ssd
 
-    def training_step(self, batch, batch_idx):
-        loss, logs = self.losses(batch, noise=True)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss.item()} at step {self.global_step} (batch {batch_idx}); "
-                "lower optim.lr or check the corpus"
-            )
-        size = batch["tokens"].shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=size)
-        self.log_dict({f"train/{k}": v for k, v in logs.items() if k.startswith("acceptance")}, batch_size=size)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        loss, logs = self.losses(batch, noise=False)
-        size = batch["tokens"].shape[0]
-        self.log("val/loss", loss, prog_bar=True, batch_size=size)
-        self.log("val/acceptance", logs.pop("acceptance"), prog_bar=True, batch_size=size)
-        self.log_dict({f"val/{k}": v for k, v in logs.items()}, batch_size=size)
-
-    @torch.no_grad()
-    def sample_images(self, num_images: int) -> tuple[torch.Tensor, dict]:
-        """Greedy exact SSD with the heads as they are now (for SampleGrid): images and passes per image."""
-        from decode import Condition, SamplingConfig, generate_ssd
-
-        was_training = self.heads.training
-        self.heads.eval()
-        condition = self._sample_condition(num_images)
-        sampling = SamplingConfig(cfg_scale=self.cfg_scale, greedy=True)
-        tokens, passes = None, 0.0
-        for indices, group in group_by_prompt_length(self.backbone, condition):  # equal prompt lengths per batch
-            if group.class_ids is not None:
-                group = Condition(class_ids=group.class_ids.to(self.device))
-            result = generate_ssd(self.backbone, self.heads, group, sampling)
-            if tokens is None:
-                tokens = result.tokens.new_empty(num_images, *result.tokens.shape[1:])
-            tokens[indices.to(tokens.device)] = result.tokens
-            passes += float(result.forward_passes) * len(indices) / num_images
-        self.heads.train(was_training)
-        return self.backbone.tokens_to_pixels(tokens), {"forward_passes_per_image": passes}
-
-    def _sample_condition(self, num_images: int) -> Condition:
-        """The datamodule's sample conditions (prompts or class ids), else class ids 0..9."""
-        trainer = self._trainer  # None outside a fit: `self.trainer` would raise
-        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if hasattr(datamodule, "sample_condition"):
-            return datamodule.sample_condition(num_images)
-        return Condition(class_ids=torch.arange(num_images) % 10)
-
-    # ---- optimisation and export ------------------------------------------------------------
-
-    def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.heads.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The frozen backbone is loaded from its own weights; checkpoints hold what training changes.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}
-        # The feature noise draws from torch's RNG: a resumed run continues the same random stream.
-        checkpoint["torch_rng_state"] = torch.get_rng_state()
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if "torch_rng_state" in checkpoint:
-            torch.set_rng_state(checkpoint["torch_rng_state"])
-
-    def export(self, directory: str | Path) -> Path:
-        """heads.safetensors + heads.json, checked against this backbone when loaded."""
-        return export_heads(
-            self.heads,
-            directory,
-            self.backbone.identity(),
-            extra={"training": {"cfg_scale": self.cfg_scale, "step": int(self.global_step)}},
-        )
+        return generate_ssd(self.backbone, self.heads, group, sampling)
