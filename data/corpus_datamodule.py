@@ -49,6 +49,7 @@ class CorpusDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         shuffle_buffer: int = 256,
         seed: int = 0,
+        generate: bool = True,
     ):
         super().__init__()
         self.spec = CorpusSpec(**spec)
@@ -64,23 +65,34 @@ class CorpusDataModule(pl.LightningDataModule):
         self.directory = Path(corpus_root) / f"{backbone.name}-{self.spec.digest(backbone.identity())}"
         self.batch_size, self.val_shards = batch_size, val_shards
         self.num_workers, self.shuffle_buffer, self.seed = num_workers, shuffle_buffer, seed
+        self.generate = generate  # False: wait for a corpus job (python -m data) to write the shards
         self.skip_batches = 0  # set when resuming: the train stream continues where the checkpoint left it
 
     def setup(self, stage: str | None = None) -> None:
         # Every rank generates its share of the shards (data-parallel corpus generation), then all read.
         trainer = getattr(self, "trainer", None)
+        training_shards = self.spec.num_shards - self.val_shards
+        if trainer is not None and trainer.world_size > training_shards:
+            raise ValueError(
+                f"{trainer.world_size} ranks share {training_shards} training shard(s): every rank streams whole "
+                "shards, so each needs one; raise data.spec.num_images or lower data.spec.shard_size to make "
+                f"at least {trainer.world_size} (the corpus's digest changes: a new corpus is built)"
+            )
         if trainer is None:
-            build_corpus(self.backbone, self.directory, self.spec)
+            build_corpus(self.backbone, self.directory, self.spec, generate=self.generate)
         else:
             # Lightning moves the module to this rank's device only after `setup`: generate there already.
             self.backbone.to(trainer.strategy.root_device)
+            # No collective while the corpus is built: ranks share the shards through claims on the files and
+            # wait for each other by reading the directory (data/shard_locks.py), so no process-group timeout
+            # can expire during generation, however long it takes.
             build_corpus(
                 self.backbone,
                 self.directory,
                 self.spec,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
-                barrier=trainer.strategy.barrier,
+                generate=self.generate,
             )
 
     def _shards(self, split: str) -> list[str]:
@@ -101,7 +113,9 @@ class CorpusDataModule(pl.LightningDataModule):
         return self._loader(dataset)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(corpus_dataset(self.directory, self._shards("val")))
+        # Every rank validates on every held-out shard: split by rank, a rank without a shard would skip
+        # validation while the others wait for it in DDP's collectives (a hang until the process-group timeout).
+        return self._loader(corpus_dataset(self.directory, self._shards("val"), split_by_rank=False))
 
     def _loader(self, dataset) -> DataLoader:
         # Its own generator: creating an iterator must not draw from the global RNG, or a resumed run would
@@ -156,3 +170,16 @@ def _check_conditions_fit(spec: CorpusSpec, backbone: ARImageBackbone) -> None:
             f"data.spec.num_classes={spec.num_classes} but {backbone.name} has {classes} classes; "
             f"set data.spec.num_classes={classes}"
         )
+
+
+def build_experiment_corpus(cfg, rank: int = 0, world_size: int = 1) -> Path:
+    """The corpus a training config (`cfg.data`, `cfg.backbone`) reads, built by this process as rank `rank`."""
+    import hydra
+
+    if "spec" not in cfg.data:
+        raise ValueError(
+            f"data={cfg.data.get('_target_')} reads no generated corpus (it has no data.spec): nothing to build"
+        )
+    backbone = hydra.utils.instantiate(cfg.backbone, _convert_="all")
+    datamodule = hydra.utils.instantiate(cfg.data, backbone=backbone, _convert_="all")
+    return build_corpus(backbone, datamodule.directory, datamodule.spec, rank=rank, world_size=world_size)
