@@ -25,13 +25,12 @@ TINY_SWAPS = {
     "backbone_digits": ["data=digits_tiny"],
     "mulo": ["head=mulo_tiny"],
     "mulo_digits": ["head=mulo_tiny"],
-    "eagle": ["head=eagle_tiny"],
-    "eagle_digits": ["head=eagle_tiny"],
 }
 
 
 def tiny_for(option: str) -> list[str]:
-    swaps = {o.split("=")[0]: o for o in TINY_SWAPS.get(option, [])}
+    extra = ["head=eagle_tiny"] if option.startswith("eagle") else []  # every EAGLE experiment trains a sequential head
+    swaps = {o.split("=")[0]: o for o in TINY_SWAPS.get(option, extra)}
     return [swaps.get(o.split("=")[0], o) for o in TINY]
 
 

@@ -27,10 +27,10 @@ MODELS = TEXT_TO_IMAGE + ["llamagen"]
 RAGGED = ["a red cat", "a photo of a blue dog in the sky", "a cat", "a green tree", "a dog"]
 
 
-def tiny_experiment(model: str, tmp_path, extra: list[str] = ()) -> list[str]:
-    """`+experiment=ssd_<model>` shrunk: tiny backbone on CPU, 8-image corpus, CPU trainer, 2 steps."""
+def tiny_experiment(model: str, tmp_path, extra: list[str] = (), kind: str = "ssd") -> list[str]:
+    """`+experiment=<kind>_<model>` shrunk: tiny backbone on CPU, 8-image corpus, CPU trainer, 2 steps."""
     overrides = [
-        f"+experiment=ssd_{model}",
+        f"+experiment={kind}_{model}",
         f"backbone={model}_tiny",
         "backbone.device=cpu",
         "data=corpus_tiny",
@@ -75,6 +75,28 @@ def test_real_experiment_trains_two_steps_and_exports_loadable_heads(model, tmp_
     )
     if model in ("emu3", "janus"):  # the sample grid decoded prompts of different lengths
         assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_real_eagle_experiment_trains_two_steps_and_decodes_losslessly(model, tmp_path):
+    """`+experiment=eagle_<model>`: the EAGLE head of that family trains, exports, loads and decodes greedy AR."""
+    tiny_head = ["head.num_heads=1", "head.intermediate_size=64", "head.num_key_value_heads=null"]
+    cfg = compose_config(tiny_experiment(model, tmp_path, tiny_head, kind="eagle"), tmp_path / "run")
+    metrics = run_training(cfg)
+    assert 0 < metrics["val/acceptance"] <= 1
+    backbone = hydra.utils.instantiate(cfg.backbone)
+    head = load_heads(tmp_path / "export", backbone, kind="eagle")
+    assert head.config.hidden_size == backbone.hidden_size
+    from decode import SamplingConfig, generate_ar
+    from decode.eagle import generate_eagle
+
+    condition = Condition(class_ids=torch.tensor([1, 2])) if model == "llamagen" else Condition(prompts=RAGGED[3:])
+    sampling = SamplingConfig(cfg_scale=cfg.decode.cfg_scale, greedy=True)
+    groups = group_by_prompt_length(backbone, condition)
+    for _, group in groups:
+        assert torch.equal(
+            generate_eagle(backbone, head, group, sampling).tokens, generate_ar(backbone, group, sampling).tokens
+        )
 
 
 @pytest.mark.parametrize("model", MODELS)
