@@ -30,6 +30,7 @@ splits its batches the same way (`grouped_teacher_forced_hidden`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -342,7 +343,9 @@ def _generate_shard(
                 sink.write(ready.pop(written))
                 written += 1
     # After the shard: a shard without its checksum (killed in between) counts as missing and is made again.
-    atomic_write_text(checksum_path(directory / shard_name(shard)), file_sha256(directory / shard_name(shard)))
+    # The corpus digest beside the checksum: a shard copied in from another corpus with its checksum is refused.
+    path = directory / shard_name(shard)
+    atomic_write_text(checksum_path(path), f"{file_sha256(path)} {spec.digest(backbone.identity())}")
     if progress is not None:
         progress.shard_done(shard)
 
@@ -378,9 +381,13 @@ def _shard_is_whole(shard: Path, checksums: bool) -> bool:
 
 
 def verify_shards(directory: Path, urls: list[str]) -> None:
-    """Check each shard against its checksum (once per process and file version), when the corpus has them."""
+    """Check each shard against its checksum and its corpus digest (once per process and file version), when
+    the corpus has them."""
     manifest_path = directory / MANIFEST
-    if not manifest_path.is_file() or not json.loads(manifest_path.read_text()).get("checksums", False):
+    if not manifest_path.is_file():
+        return
+    manifest = json.loads(manifest_path.read_text())
+    if not manifest.get("checksums", False):
         return
     for url in urls:
         shard = Path(url)
@@ -388,12 +395,17 @@ def verify_shards(directory: Path, urls: list[str]) -> None:
         key = (str(shard), stat.st_size, stat.st_mtime_ns)
         if key in _VERIFIED:
             continue
-        recorded = checksum_path(shard).read_text().strip() if checksum_path(shard).is_file() else None
-        if recorded != file_sha256(shard):
+        recorded = checksum_path(shard).read_text().split() if checksum_path(shard).is_file() else []
+        advice = f"delete it and rerun the training command: the corpus build regenerates {REGENERATES}"
+        if len(recorded) > 1 and recorded[1] != manifest["digest"]:  # sidecars before digests hold the hash only
             raise CorruptShardError(
-                f"{shard} does not match its checksum ({'none recorded' if recorded is None else 'changed'}): it "
-                "was damaged, edited or copied from another corpus; delete it and rerun the training command: "
-                f"the corpus build regenerates {REGENERATES}"
+                f"{shard} belongs to another corpus (digest {recorded[1]}, this corpus {manifest['digest']}: "
+                f"another backbone, seed or settings); {advice}"
+            )
+        if not recorded or recorded[0] != file_sha256(shard):
+            raise CorruptShardError(
+                f"{shard} does not match its checksum ({'none recorded' if not recorded else 'changed'}): it "
+                f"was damaged, edited or copied from another corpus; {advice}"
             )
         _VERIFIED.add(key)
 
@@ -407,8 +419,24 @@ class CorruptShardError(RuntimeError):
     """A corpus shard could not be read."""
 
 
-def _decode_sample(sample: dict) -> dict:
+def sample_expectations(directory: Path) -> dict | None:
+    """What every sample of a corpus must hold (from its manifest): tokens (N,) below the codebook size, and
+    hidden states (twins, N, H) exactly when the corpus stores them. None for a folder without a manifest."""
+    manifest_path = Path(directory) / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    backbone, spec = manifest["backbone"], manifest["spec"]
+    tokens = backbone["geometry"]["rows"] * backbone["geometry"]["cols"]
+    twins = 2 if spec["cfg_scale"] != 1.0 else 1
+    hidden = (twins, tokens, backbone["hidden_size"]) if spec["store_hidden"] else None
+    return {"num_tokens": tokens, "codebook_size": backbone["codebook_size"], "hidden": hidden}
+
+
+def _decode_sample(sample: dict, expected: dict | None = None) -> dict:
     key = sample.get("__key__", "?")
+    where = f"sample {key} of {sample.get('__url__', 'a corpus shard')}"
+    advice = f"delete that shard and rerun the training command: the corpus build regenerates {REGENERATES}"
     try:
         cond = json.loads(sample["cond.json"])
         out = {"tokens": torch.from_numpy(np.load(io.BytesIO(sample["tokens.npy"])).astype(np.int64))}
@@ -419,11 +447,27 @@ def _decode_sample(sample: dict) -> dict:
         if "hidden.npy" in sample:
             out["hidden"] = torch.from_numpy(np.load(io.BytesIO(sample["hidden.npy"])))
     except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged sample
-        raise CorruptShardError(
-            f"sample {key} of {sample.get('__url__', 'a corpus shard')} is damaged ({error}); "
-            f"delete that shard and rerun the training command: the corpus build regenerates {REGENERATES}"
-        ) from error
+        raise CorruptShardError(f"{where} is damaged ({error}); {advice}") from error
+    if expected is not None:
+        problem = _sample_problem(out, expected)
+        if problem:
+            raise CorruptShardError(f"{where} does not fit this corpus: {problem}; {advice}")
     return out
+
+
+def _sample_problem(sample: dict, expected: dict) -> str | None:
+    """What is wrong with a decoded sample against the corpus's expectations, or None."""
+    tokens = sample["tokens"]
+    if tokens.shape != (expected["num_tokens"],):
+        return f"{tuple(tokens.shape)} tokens where the backbone's grid has {expected['num_tokens']}"
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < expected["codebook_size"]:
+        return f"token ids outside the codebook's 0..{expected['codebook_size'] - 1}"
+    hidden = sample.get("hidden")
+    if (hidden is None) != (expected["hidden"] is None):
+        return "no hidden states, which this corpus stores" if hidden is None else "hidden states it should not hold"
+    if hidden is not None and tuple(hidden.shape) != expected["hidden"]:
+        return f"hidden states of shape {tuple(hidden.shape)}, expected {expected['hidden']}"
+    return None
 
 
 def _raise_with_shard(error: Exception) -> bool:
@@ -465,4 +509,4 @@ def corpus_dataset(
         dataset = dataset.repeat()
     if shuffle:
         dataset = dataset.shuffle(shuffle, seed=seed)
-    return dataset.map(_decode_sample)
+    return dataset.map(functools.partial(_decode_sample, expected=sample_expectations(Path(directory))))

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_config
@@ -235,3 +236,51 @@ def test_shards_are_checked_against_their_checksums(tiny_backbone, tmp_path, dam
     if damage == "no checksum":  # killed between the shard and its checksum: the build makes it again
         build_corpus(tiny_backbone, tmp_path / "a", CorpusSpec(num_images=8, shard_size=4, batch_size=4))
         assert len(list(corpus_dataset(tmp_path / "a", [shard_name(1)]))) == 4
+
+
+def test_a_shard_copied_from_another_corpus_with_its_checksum_is_refused(tiny_backbone, tmp_path):
+    from data.corpus import CorruptShardError, checksum_path
+
+    build_corpus(tiny_backbone, tmp_path / "a", CorpusSpec(num_images=8, shard_size=4, batch_size=4))
+    build_corpus(tiny_backbone, tmp_path / "b", CorpusSpec(num_images=8, shard_size=4, batch_size=4, seed=1))
+    for name in (shard_name(1), checksum_path(tmp_path / "b" / shard_name(1)).name):
+        (tmp_path / "a" / name).write_bytes((tmp_path / "b" / name).read_bytes())
+    with pytest.raises(CorruptShardError, match="shard-00001.tar belongs to another corpus"):
+        list(corpus_dataset(tmp_path / "a", [shard_name(0), shard_name(1)]))
+
+
+@pytest.mark.parametrize(
+    "sample,named",
+    [
+        ({"tokens": np.zeros(36, np.int16)}, r"\(36,\) tokens where the backbone's grid has 64"),
+        ({"tokens": np.full(64, 999, np.int16)}, "token ids outside the codebook's 0..7"),
+        ({"tokens": np.zeros(64, np.int16), "hidden": None}, "no hidden states, which this corpus stores"),
+        ({"tokens": np.zeros(64, np.int16), "hidden": np.zeros((2, 64, 16), np.float16)}, "hidden states of shape"),
+    ],
+    ids=["another geometry", "flipped token bytes", "no hidden states", "other hidden size"],
+)
+def test_a_sample_that_does_not_fit_the_corpus_is_named_with_its_shard(tiny_backbone, tmp_path, sample, named):
+    """A corpus from before checksums (or a shard written by hand) is still checked sample by sample."""
+    import io
+
+    import webdataset as wds
+
+    from data.corpus import CorruptShardError
+
+    spec = CorpusSpec(num_images=8, shard_size=4, batch_size=4, store_hidden=True)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    manifest = json.loads((tmp_path / "corpus.json").read_text())
+    (tmp_path / "corpus.json").write_text(json.dumps({**manifest, "checksums": False}))  # a corpus of before
+
+    def npy(array):
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        return buffer.getvalue()
+
+    hidden = sample.get("hidden", np.zeros((2, 64, 32), np.float16))
+    with wds.TarWriter(str(tmp_path / shard_name(1))) as sink:
+        record = {"__key__": "00000004", "tokens.npy": npy(sample["tokens"]), "cond.json": b'{"class_id": 1}'}
+        sink.write(record if hidden is None else {**record, "hidden.npy": npy(hidden)})
+    message = f"sample 00000004 of .*shard-00001.tar does not fit this corpus: {named}"
+    with pytest.raises(CorruptShardError, match=message):
+        list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
