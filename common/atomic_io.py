@@ -38,6 +38,18 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def remove_leftover_temporaries(target: str | Path) -> list[Path]:
+    """Delete what killed writes of `target` left beside it (`atomic_path`'s ``.NAME.*.tmp``); return them.
+
+    Only for targets with one writer at a time (an export folder; a corpus shard under its claim).
+    """
+    target = Path(target)
+    leftovers = sorted(target.parent.glob(f".{target.name}.*.tmp")) if target.parent.is_dir() else []
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return leftovers
+
+
 def atomic_write_text(target: str | Path, text: str) -> None:
     """Write a text file atomically."""
     with atomic_path(target) as tmp:

@@ -22,6 +22,8 @@ import socket
 import time
 from pathlib import Path
 
+from common.atomic_io import remove_leftover_temporaries
+
 STALE_AFTER_S = 1800.0  # a heartbeat older than this marks an abandoned claim (one batch must take less)
 
 
@@ -58,8 +60,8 @@ def try_claim(shard: Path, stale_after_s: float = STALE_AFTER_S) -> ShardClaim |
             continue
         with os.fdopen(fd, "w") as handle:
             json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}, handle)
-        for stale_write in shard.parent.glob(f".{shard.name}.*.tmp"):  # a killed writer's leftovers of this shard
-            stale_write.unlink(missing_ok=True)
+        remove_leftover_temporaries(shard)  # what a killed writer of this shard left
+        remove_leftover_temporaries(shard.with_name(shard.name + ".sha256"))  # its checksum (data/corpus.py)
         return ShardClaim(path)
     return None
 

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from common.atomic_io import atomic_save_safetensors, atomic_write_text
+from common.atomic_io import atomic_save_safetensors, atomic_write_text, remove_leftover_temporaries
 from heads.eagle import EagleHead, EagleHeadConfig
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
@@ -61,6 +61,8 @@ def export_heads(heads: nn.Module, directory: str | Path, backbone_identity: dic
         **(extra or {}),
     }
     text = json.dumps(config, indent=2) + "\n"
+    for name in (HEADS_FILE, CONFIG_FILE):  # an export killed mid-write left its temporary files here
+        remove_leftover_temporaries(directory / name)
     atomic_save_safetensors(tensors, directory / HEADS_FILE, metadata={"config": text})
     atomic_write_text(directory / CONFIG_FILE, text)
     return directory

@@ -145,3 +145,20 @@ def test_heads_with_non_finite_weights_are_refused(tiny_backbone, tmp_path):
     _rewrite(tmp_path, change_tensors=lambda tensors: next(iter(tensors.values())).fill_(float("nan")))
     with pytest.raises(ValueError, match="NaN or infinite"):
         load_heads(tmp_path, tiny_backbone)
+
+
+def test_an_export_removes_what_a_killed_export_left_behind(tiny_backbone, tmp_path):
+    leftovers = [tmp_path / ".heads.safetensors.k1ll3d.tmp", tmp_path / ".heads.json.k1ll3d.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half written")
+    export_heads(trained_looking_heads(), tmp_path, tiny_backbone.identity())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_FILE, HEADS_FILE]
+    assert oct((tmp_path / HEADS_FILE).stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # readable by colleagues
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
