@@ -136,3 +136,17 @@ def test_ddp_ranks_outlast_a_short_process_group_timeout_while_the_corpus_is_bui
     assert "waiting for shards" in output.read_text()  # a rank did wait, longer than the timeout
     assert len(generation_log.read_text().split()) == 2 * 3  # each shard generated once
     assert (tmp_path / "export" / "heads.safetensors").is_file()
+
+
+def test_training_can_wait_for_a_corpus_job_instead_of_generating(tiny_backbone, tmp_path):
+    """data.generate=false: the build only reads the directory until another job has written every shard."""
+    import threading
+
+    spec = CorpusSpec(num_images=8, shard_size=4, batch_size=4)
+    job = threading.Timer(1.0, build_corpus, args=(tiny_backbone, tmp_path, spec))
+    job.start()
+    started = time.monotonic()
+    build_corpus(tiny_backbone, tmp_path, spec, generate=False, poll_s=0.2)
+    job.join()
+    assert time.monotonic() - started >= 1.0  # it waited for the job, which did all the work
+    assert json.loads((tmp_path / "corpus.json").read_text())["complete"]
