@@ -36,7 +36,7 @@ class EagleDistillation(HeadDistillation):
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """[("next", predicted states at 1 .. N - 1, the teacher's)] over the raster sequence."""
         states = hidden.flatten(1, 2)  # (rows, N, H): states[:, i] predicts token i
-        embedded = self.embedded_tokens(tokens).flatten(1, 2)
+        embedded = self.embedded_tokens(tokens, hidden.shape[1], hidden.shape[2]).flatten(1, 2)
         inputs = states[:, :-1]
         if noise and self.heads.config.input_noise > 0:
             scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()  # noise relative to the (pre-norm) state's size

@@ -111,9 +111,8 @@ class HeadDistillation(pl.LightningModule):
         logits = self.backbone.logits(hidden)
         return (self.backbone.guide(logits, self.cfg_scale) if self.guided else logits.float()).log_softmax(-1)
 
-    def embedded_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Image tokens (B, N) -> their input embeddings for every cache row (twins * B, rows, cols, H)."""
-        rows, cols = self.backbone.geometry.rows, self.backbone.geometry.cols
+    def embedded_tokens(self, tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """Image tokens (B, rows * cols) -> their input embeddings for every cache row (twins * B, rows, cols, H)."""
         embedded = self.backbone.embed_image_tokens(tokens.view(-1, rows, cols))  # (B, R, C, H)
         return torch.cat([embedded, embedded]) if self.guided else embedded  # the twins see the same tokens
 

@@ -40,7 +40,7 @@ class SSDDistillation(HeadDistillation):
     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """[(name, predicted states, target states)] for the vertical head and each horizontal unroll step."""
         cols = hidden.shape[2]
-        embedded = self.embedded_tokens(tokens)
+        embedded = self.embedded_tokens(tokens, hidden.shape[1], cols)
         inputs = hidden
         if noise and self.heads.config.input_noise > 0:
             scale = hidden.pow(2).mean(-1, keepdim=True).sqrt()  # pre-norm states vary in size; noise follows
