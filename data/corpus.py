@@ -249,15 +249,23 @@ class _ShardProgress:
         total = sum(min(spec.shard_size, spec.num_images - i * spec.shard_size) for i in shards)
         label = f"corpus rank {rank}/{world_size}" if world_size > 1 else "corpus"
         self.bar = tqdm(total=total, desc=label, unit="image", position=rank, disable=None if total else True)
-        self.rank, self.started = rank, time.monotonic()
+        self.rank, self.total, self.done, self.started = rank, total, 0, time.monotonic()
 
     def images(self, count: int) -> None:
         self.bar.update(count)
+        self.done += count
 
     def shard_done(self, shard: int) -> None:
-        rate = self.bar.format_dict.get("rate")
-        remaining = (self.bar.total - self.bar.n) / rate if rate else float("nan")
-        log.info("rank %d: %s written; its share done in ~%.1f min", self.rank, shard_name(shard), remaining / 60)
+        # Counted here, not read from tqdm: a bar without a terminal (a cluster job's log) is disabled.
+        remaining = (self.total - self.done) * (time.monotonic() - self.started) / max(self.done, 1)
+        log.info(
+            "rank %d: %s written (%d of this rank's %d images); its share done in ~%.1f min",
+            self.rank,
+            shard_name(shard),
+            self.done,
+            self.total,
+            remaining / 60,
+        )
 
     def close(self) -> None:
         self.bar.close()

@@ -75,8 +75,13 @@ def test_processes_on_one_corpus_share_its_shards_and_generate_each_once(tmp_pat
     assert sorted(p.name for p in corpus.iterdir() if p.name.startswith((".", "shard")) and "sha256" not in p.name) == [
         shard_name(i) for i in range(4)
     ]  # no claim and no temporary file left behind
+    import re
+
     for number in range(2):
-        assert "corpus complete" in (tmp_path / f"job{number}.log").read_text()
+        log = (tmp_path / f"job{number}.log").read_text()
+        assert "corpus complete" in log
+        progress = r"rank \d: shard-0000\d.tar written \(\d+ of this rank's \d+ images\); its share done in ~\d"
+        assert re.search(progress, log)  # a log line per shard with an ETA, also without a terminal
 
 
 def test_a_killed_builder_leaves_nothing_that_blocks_the_next(tiny_backbone, tmp_path):
