@@ -19,6 +19,22 @@ COMMITTED_BACKBONE = PROJECT_ROOT / "checkpoints" / "digits-backbone"
 TINY_BACKBONE = dict(grid_size=8, levels=8, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
 
+# The presets `python -m decode +experiment=compare_digits` runs, in order (conf/experiment/compare_digits.yaml).
+COMPARISON_METHODS = [
+    "ar",
+    "ssd_exact",
+    "ssd_autocorrect",
+    "mulo",
+    "mulo_exact",
+    "sjd",
+    "gsd",
+    "zipar",
+    "eagle",
+    "eagle_depth3",
+    "lantern",
+]
+
+
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
     """The project's root config with overrides, as the CLIs would see it, writing under `output_dir`."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import compose_config
+from conftest import COMPARISON_METHODS, compose_config
 
 from decode.cli import run_decode
 
@@ -278,19 +278,7 @@ def test_the_comparison_experiment_runs_every_method_at_both_batch_sizes(tmp_pat
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+experiment=compare_digits"], return_hydra_config=True)
     names = [m.name for m in check_methods(cfg.decode)]
-    assert names == [
-        "ar",
-        "ssd_exact",
-        "ssd_autocorrect",
-        "mulo",
-        "mulo_exact",
-        "sjd",
-        "gsd",
-        "zipar",
-        "eagle",
-        "eagle_depth3",
-        "lantern",
-    ]
+    assert names == COMPARISON_METHODS
     assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params["decode.batch_size"] == "1,16"
     assert cfg.decode.seeds >= 2 and cfg.decode.heads.endswith("checkpoints/ssd_digits")
 
