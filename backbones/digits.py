@@ -14,23 +14,17 @@ trained by class dropout.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
 from backbones.hf_loading import positional_arguments
-from common.atomic_io import atomic_save_safetensors, atomic_write_text
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-
+from backbones.saved_model import load_model, save_model
 
 NUM_CLASSES = 10  # the ten digits; the class embedding adds a null class for guidance
 
@@ -52,6 +46,10 @@ class DigitsTokenizer:
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """(..., H, W) float in [0, 1] -> (..., H, W) long tokens."""
         return torch.round(images.clamp(0, 1) * (self.levels - 1)).long()
+
+    def encode_sequence(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, H, W) images -> (N, H*W) tokens in raster order, what the backbone trains on."""
+        return self.encode(images).flatten(1)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """(..., H, W) long tokens -> (..., H, W) float intensities in [0, 1]."""
@@ -204,29 +202,16 @@ class DigitsBackbone(ARImageBackbone):
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write config.json + model.safetensors into `directory`, each atomically."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_save_safetensors(
-            {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, directory / WEIGHTS_FILE
-        )
-        atomic_write_text(directory / CONFIG_FILE, json.dumps(asdict(self.config), indent=2) + "\n")
-        return directory
+        return save_model(self, self.config, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> DigitsBackbone:
         """Load a saved digits backbone, frozen and in eval mode."""
-        directory = Path(directory)
-        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-        if not config_path.is_file() or not weights_path.is_file():
-            raise FileNotFoundError(
-                f"no digits backbone at {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                "the committed one is checkpoints/digits-backbone, or train one with "
-                "`python -m train +experiment=backbone_digits`"
-            )
-        config = DigitsBackboneConfig(**json.loads(config_path.read_text()))
-        model = cls(config)
-        model.load_state_dict(load_file(weights_path, device="cpu"))
-        return model.to(device).eval().requires_grad_(False)
+        advice = (
+            "the committed one is checkpoints/digits-backbone, "
+            "or train one with `python -m train +experiment=backbone_digits`"
+        )
+        return load_model(cls, DigitsBackboneConfig, directory, device, "digits backbone", advice)
 
 
 def load_digits_backbone(path: str | Path, device: str = "cpu") -> DigitsBackbone:

@@ -1,4 +1,4 @@
-"""Lightning DataModule for training the embedded digits backbone."""
+"""Lightning DataModule for training the embedded digits backbones (intensity tokens, or continuous patches)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from backbones.digits import DigitsTokenizer
+from backbones.digits_continuous import PatchTokenizer
 from data.digits import DigitsAugment, load_digit_images, render_digits
 
 
@@ -22,7 +23,7 @@ class AugmentedDigitsDataset(Dataset):
         images: torch.Tensor,
         labels: torch.Tensor,
         grid_size: int,
-        tokenizer: DigitsTokenizer,
+        tokenizer: DigitsTokenizer | PatchTokenizer,
         augment: DigitsAugment,
         repeats: int,
     ):
@@ -35,18 +36,22 @@ class AugmentedDigitsDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         index %= len(self.labels)
         rendered = render_digits(self.images[index : index + 1], self.grid_size, self.augment)
-        return self.tokenizer.encode(rendered).flatten(), self.labels[index]
+        return self.tokenizer.encode_sequence(rendered)[0], self.labels[index]
 
 
 def fixed_augmented_split(
-    split: str, grid_size: int, tokenizer: DigitsTokenizer, augment: DigitsAugment, copies: int, seed: int
+    split: str,
+    grid_size: int,
+    tokenizer: DigitsTokenizer | PatchTokenizer,
+    augment: DigitsAugment,
+    copies: int,
+    seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split rendered `copies` times with a fixed seed: (tokens (N*copies, grid*grid), labels)."""
+    """A split rendered `copies` times with a fixed seed: (token sequences (N*copies, ...), labels)."""
     images, labels = load_digit_images(split)
     generator = torch.Generator().manual_seed(seed)
     images, labels = images.repeat(copies, 1, 1), labels.repeat(copies)
-    tokens = tokenizer.encode(render_digits(images, grid_size, augment, generator))
-    return tokens.flatten(1), labels
+    return tokenizer.encode_sequence(render_digits(images, grid_size, augment, generator)), labels
 
 
 class DigitsDataModule(pl.LightningDataModule):
@@ -62,13 +67,15 @@ class DigitsDataModule(pl.LightningDataModule):
         val_copies: int = 2,
         augment: dict | None = None,
         seed: int = 1234,
+        patch_size: int | None = None,
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         self.grid_size, self.batch_size, self.num_workers = grid_size, batch_size, num_workers
         self.epoch_repeats, self.val_copies, self.seed = epoch_repeats, val_copies, seed
-        self.tokenizer = DigitsTokenizer(levels)
+        # patch_size set: continuous patch tokens for the continuous backbone (no quantisation).
+        self.tokenizer = DigitsTokenizer(levels) if patch_size is None else PatchTokenizer(patch_size)
         self.augment = DigitsAugment(**(augment or {}))
 
     def setup(self, stage: str | None = None) -> None:

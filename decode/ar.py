@@ -57,7 +57,11 @@ def generate_ar(
 
 
 def _generate(backbone, _artefact, condition, sampling, generator, _settings: ARDecodeConfig) -> GenerationResult:
+    if getattr(backbone, "token_kind", "discrete") == "continuous":  # the same baseline for diffusion-head tokens
+        from decode.continuous_ar import generate_continuous_ar
+
+        return generate_continuous_ar(backbone, condition, sampling, generator)
     return generate_ar(backbone, condition, sampling, generator)
 
 
-METHOD = MethodSpec(generate=_generate, settings=ARDecodeConfig)
+METHOD = MethodSpec(generate=_generate, settings=ARDecodeConfig, token_kind="any")

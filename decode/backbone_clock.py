@@ -62,15 +62,19 @@ class BackboneClock:
 
 @contextmanager
 def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
-    """Time every `prefill` and `step` of `backbone` inside the block (the instance's methods, restored after).
+    """Time every `prefill` and `step` of `backbone` inside the block (the instance's methods, restored after);
+    of a continuous-token backbone also its diffusion head's `sample_tokens`.
 
     Only this backbone's passes are timed: a MuLo-SD drafter's own small model
     is drafting, not verification.
     """
     clock = BackboneClock(next(backbone.parameters()).device)
-    backbone.prefill = clock.time(backbone.prefill)
-    backbone.step = clock.time(backbone.step)
+    # A continuous-token backbone's diffusion head is its own compute too (its drafter's is drafting).
+    timed = ("prefill", "step") + (("sample_tokens",) if hasattr(backbone, "sample_tokens") else ())
+    for name in timed:
+        setattr(backbone, name, clock.time(getattr(backbone, name)))
     try:
         yield clock
     finally:
-        del backbone.prefill, backbone.step  # the class's methods show through again
+        for name in timed:
+            delattr(backbone, name)  # the class's methods show through again

@@ -36,13 +36,14 @@ class SeedRun:
 
     seed: int
     generator: torch.Generator
-    tokens: torch.Tensor  # (N, rows, cols), in the order of the conditions
+    tokens: torch.Tensor  # (N, rows, cols) (continuous: (N, rows, cols, token_dim)), in the order of the conditions
     passes: int = 0  # backbone passes of all its batches (one pass serves a whole batch)
     drafted: int = 0
     accepted: int = 0
     batch_seconds: list[float] = field(default_factory=list)
     batch_backbone_seconds: list[float] = field(default_factory=list)
     batch_images: list[int] = field(default_factory=list)
+    counts: dict = field(default_factory=dict)  # a method's own counts, summed over batches (GenerationResult.extras)
 
 
 def run_interleaved(
@@ -56,7 +57,6 @@ def run_interleaved(
     """Generate every image with every method at every seed, taking turns batch by batch; {name: [SeedRun per seed]}."""
     device = next(backbone.parameters()).device
     batches = conditions.batches(batch_size, backbone)
-    geometry = backbone.geometry
     # One untimed one-image batch per method: first calls pay for allocations and lazy initialisation.
     warm_up = _to(conditions.subset(batches[0][0][:1]), device)
     for method in methods:
@@ -66,7 +66,7 @@ def run_interleaved(
             SeedRun(
                 seed,
                 torch.Generator(device=device).manual_seed(seed),
-                torch.zeros(len(conditions), geometry.rows, geometry.cols, dtype=torch.long),
+                _token_buffer(backbone, len(conditions)),
             )
             for seed in seeds
         ]
@@ -81,6 +81,14 @@ def run_interleaved(
         for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:  # rotating order
             _timed_batch(method, runs[method.name][k], backbone, indices, condition, sampling, device)
     return runs
+
+
+def _token_buffer(backbone, count: int) -> torch.Tensor:
+    """Room for `count` images' tokens: (count, rows, cols) ids, or (count, rows, cols, token_dim) vectors."""
+    geometry = backbone.geometry
+    if getattr(backbone, "token_kind", "discrete") == "continuous":
+        return torch.zeros(count, geometry.rows, geometry.cols, backbone.token_dim)
+    return torch.zeros(count, geometry.rows, geometry.cols, dtype=torch.long)
 
 
 def _timed_batch(
@@ -107,6 +115,8 @@ def _timed_batch(
     run.batch_seconds.append(seconds)
     run.batch_backbone_seconds.append(backbone_clock.seconds)
     run.batch_images.append(len(indices))
+    for key, value in result.extras.items():
+        run.counts[key] = run.counts.get(key, 0) + value
 
 
 def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) -> dict:
@@ -144,6 +154,12 @@ def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) 
     figures["nfe_reduction_vs_ar"] = baseline_passes / passes_per_image
     # The speedup this method's passes alone allow: what it would reach if drafting and verification were free.
     figures["speedup_bound_vs_ar"] = baseline_seconds / figures["backbone_seconds_per_image"]
+    counts: dict = {}
+    for run in runs:
+        for key, value in run.counts.items():
+            counts[key] = counts.get(key, 0) + value
+    if counts:
+        figures["counts"] = counts
     return figures
 
 

@@ -73,10 +73,26 @@ def sampling_from_config(cfg: DictConfig) -> SamplingConfig:
 
 
 def is_digits(backbone: ARImageBackbone) -> bool:
-    """The embedded digits backbone, scored by its own classifier."""
+    """An embedded digits backbone (discrete or continuous), scored by the digits classifier."""
     from backbones.digits import DigitsBackbone
+    from backbones.digits_continuous import ContinuousDigitsBackbone
 
-    return isinstance(backbone, DigitsBackbone)
+    return isinstance(backbone, (DigitsBackbone, ContinuousDigitsBackbone))
+
+
+def digits_image_grid(backbone) -> tuple[int, int]:
+    """(image size, intensity levels) of the classifier that scores this digits backbone.
+
+    The continuous backbone's 24x24 images are scored by the 16-level classifier, its pixels rounded to those
+    levels (`DigitsQuality` sees what a 16-level backbone would draw), so its figures compare with the discrete
+    backbone's.
+    """
+    if getattr(backbone, "token_kind", "discrete") == "continuous":
+        return backbone.config.image_size, CONTINUOUS_SCORED_LEVELS
+    return backbone.geometry.rows, backbone.codebook_size
+
+
+CONTINUOUS_SCORED_LEVELS = 16
 
 
 def build_quality(cfg: DictConfig, backbone: ARImageBackbone, pixels_available: bool):
@@ -88,9 +104,7 @@ def build_quality(cfg: DictConfig, backbone: ARImageBackbone, pixels_available: 
     weights fail at once; with neither key set, quality is not measured.
     """
     if is_digits(backbone):
-        scorer = DigitsQuality(
-            backbone.geometry.rows, backbone.codebook_size, Path(cfg.paths.checkpoints_dir) / "digits-classifier"
-        )
+        scorer = DigitsQuality(*digits_image_grid(backbone), Path(cfg.paths.checkpoints_dir) / "digits-classifier")
         return scorer, "digits classifier accuracy and Fréchet distance of its features (decode/quality.py)"
     settings = cfg.decode.get("quality") or {}
     reference_dir, clip = settings.get("reference_dir"), settings.get("clip")
@@ -222,6 +236,9 @@ def _score(quality, backbone: ARImageBackbone, run: SeedRun, conditions, pixels_
         return None
     images = _decode_pixels(backbone, run.tokens)
     if isinstance(quality, DigitsQuality):
+        if getattr(backbone, "token_kind", "discrete") == "continuous":
+            levels = CONTINUOUS_SCORED_LEVELS - 1
+            images = torch.round(images.clamp(0, 1) * levels) / levels
         return quality(images, conditions.class_ids)
     return quality(images, conditions.prompts)
 

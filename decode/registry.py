@@ -39,6 +39,7 @@ TRAINING_COMMANDS = {
     "ssd": "python -m train",
     "mulo": "python -m train +experiment=mulo_digits",
     "eagle": "python -m train +experiment=eagle_digits",
+    "cspd": "python -m train +experiment=cspd_digits",
 }
 
 
@@ -128,10 +129,23 @@ def _checked_method(name: str, preset: DictConfig) -> Method:
     return Method(name, module_name, spec, settings_from(spec.settings, values, where), artefact_path)
 
 
+def check_token_kinds(methods: list[Method], backbone) -> None:
+    """Refuse a method whose generator speaks the other kind of tokens than the backbone (discrete/continuous)."""
+    kind = getattr(backbone, "token_kind", "discrete")
+    for method in methods:
+        if method.spec.token_kind not in ("any", kind):
+            raise ValueError(
+                f"decode method {method.name!r} ({method.generator}) decodes {method.spec.token_kind} tokens, but "
+                f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, "
+                "cspd_relaxed; discrete: ar, ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
+            )
+
+
 def load_artefacts(methods: list[Method], backbone: ARImageBackbone) -> None:
     """Load each method's export (once per path), checked against the backbone (heads/export.py)."""
     from heads.export import load_heads
 
+    check_token_kinds(methods, backbone)
     device = next(backbone.parameters()).device
     loaded: dict[tuple[str, str], Any] = {}
     for method in methods:

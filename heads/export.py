@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.atomic_io import atomic_save_safetensors, atomic_write_text, remove_leftover_temporaries
+from heads.cspd import CSpDDrafter, CSpDDrafterConfig
 from heads.eagle import EagleHead, EagleHeadConfig
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
@@ -40,6 +41,7 @@ HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {
     "ssd": (SSDHeads, SSDHeadConfig),
     "mulo": (MuLoDrafter, MuLoDrafterConfig),
     "eagle": (EagleHead, EagleHeadConfig),
+    "cspd": (CSpDDrafter, CSpDDrafterConfig),
 }
 
 
@@ -92,7 +94,7 @@ def check_compatible(config: dict, backbone_identity: dict, where: str) -> None:
     """Raise HeadsMismatchError when heads do not fit the backbone; warn when only its weights differ."""
     trained_for = config["backbone"]
     problems = []
-    for key in ("hidden_size", "codebook_size", "geometry"):
+    for key in ("hidden_size", "codebook_size", "token_dim", "geometry"):
         if trained_for.get(key) != backbone_identity.get(key):
             problems.append(f"{key}: heads {trained_for.get(key)}, backbone {backbone_identity.get(key)}")
     if trained_for.get("family") != backbone_identity.get("family"):
@@ -116,7 +118,7 @@ def load_heads(
 ) -> nn.Module:
     """Load exported heads, frozen and in eval mode; with `backbone`, check that they belong to it.
 
-    `kind` ("ssd", "mulo", "eagle") refuses an export of another kind. A MuLo drafter records its
+    `kind` ("ssd", "mulo", "eagle", "cspd") refuses an export of another kind. A MuLo drafter records its
     backbone's grid, r, codebook and conditioning (``head`` in heads.json) and is bound to `backbone`.
     """
     directory = Path(directory)
@@ -146,9 +148,9 @@ def load_heads(
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{directory}: tensor {name!r} holds NaN or infinite values; re-export the heads")
     heads.load_state_dict(state, strict=True)
-    if backbone is not None and isinstance(heads, MuLoDrafter):
-        # The drafter's own record (grid, r, codebook, conditioning) must fit too; bind also attaches the backbone
-        # whose prompt embeddings condition a prompt drafter.
+    if backbone is not None and isinstance(heads, (MuLoDrafter, CSpDDrafter)):
+        # The drafter's own record (grid, r, codebook, conditioning; CSpD: token size and diffusion steps) must fit
+        # too; a MuLo drafter's bind also attaches the backbone whose prompt embeddings condition a prompt drafter.
         try:
             heads.bind(backbone)
         except ValueError as error:

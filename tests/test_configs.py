@@ -25,6 +25,11 @@ TINY_SWAPS = {
     "backbone_digits": ["data=digits_tiny"],
     "mulo": ["head=mulo_tiny"],
     "mulo_digits": ["head=mulo_tiny"],
+    # The continuous backbone's recipe and CSpD's drafter read continuous patches of the raw digits.
+    "digits_continuous": ["backbone=digits_continuous_tiny"],
+    "backbone_digits_continuous": ["data=digits_continuous_tiny"],
+    "cspd": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
+    "cspd_digits": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
 }
 
 
@@ -74,8 +79,14 @@ def test_group_option_instantiates(group, option, tmp_path, monkeypatch):
     if group == "data" and option.startswith("digits"):
         obj.setup("fit")
         tokens, labels = next(iter(obj.train_dataloader()))
-        assert tokens.shape == (cfg.data.batch_size, cfg.data.grid_size**2) and labels.shape == (cfg.data.batch_size,)
-        assert 0 <= tokens.min() and tokens.max() < cfg.data.levels
+        assert labels.shape == (cfg.data.batch_size,)
+        if cfg.data.get("patch_size"):  # continuous patches in [-1, 1]
+            patch = cfg.data.patch_size
+            assert tokens.shape == (cfg.data.batch_size, (cfg.data.grid_size // patch) ** 2, patch**2)
+            assert -1 <= tokens.min() and tokens.max() <= 1 and tokens.is_floating_point()
+        else:
+            assert tokens.shape == (cfg.data.batch_size, cfg.data.grid_size**2)
+            assert 0 <= tokens.min() and tokens.max() < cfg.data.levels
 
 
 @pytest.mark.parametrize("option", options("callbacks"))

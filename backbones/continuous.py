@@ -1,0 +1,154 @@
+"""The interface `train/` and `decode/` know about a frozen continuous-token AR image model.
+
+The continuous counterpart of `backbones.base.ARImageBackbone`, for generators
+whose tokens are vectors sampled by a per-token diffusion head (MAR, xAR,
+Harmon, the embedded continuous digits model). The decoders speak grid positions
+and token vectors:
+
+- token ``i`` of an image is grid cell ``(i // cols, i % cols)``; its value is a
+  vector of `token_dim` floats;
+- ``hidden[:, i]`` is the last-layer state (before the final norm) that
+  conditions token ``i``; `condition(hidden)` is what the diffusion head reads
+  (the family's final norm and whatever it adds);
+- `sample_tokens` runs the diffusion head with every random draw passed in
+  (`DiffusionHead.sample`), so a drafter and the backbone can share a
+  trajectory's noise (CSpD) and tests can replay a draw.
+
+Classifier-free guidance runs [cond; uncond] twins as one batch of ``2B`` cache
+rows, as for the discrete backbones; the diffusion head mixes the twins' noise
+predictions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from backbones.base import Condition, DecodeState, ImageGeometry
+from backbones.diffusion_head import DiffusionHead, DiffusionSample
+from backbones.kv_cache import preallocated_cache
+
+
+class ContinuousARBackbone(nn.Module, ABC):
+    """A frozen causal continuous-token image generator behind a small, family-agnostic API."""
+
+    geometry: ImageGeometry
+    token_dim: int
+    hidden_size: int
+    name: str
+    diffusion: DiffusionHead
+    num_classes: int | None = None  # class-conditional families; None for text-to-image
+
+    token_kind = "continuous"  # what the method registry checks a generator against (decode/method.py)
+
+    @abstractmethod
+    def prefill(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
+        """Run the condition (and its unconditional twin when `guided`) into a new KV cache.
+
+        Returns the state and the hidden state (rows, 1, hidden) conditioning token 0.
+        """
+
+    @abstractmethod
+    def _forward_tokens(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """Append token vectors (rows, T, token_dim) to the cache; return pre-norm hidden states (rows, T, hidden)."""
+
+    @abstractmethod
+    def condition(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden states (..., hidden) -> the diffusion head's conditioning vectors (..., condition_dim)."""
+
+    @abstractmethod
+    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, rows, cols, token_dim) tokens -> (B, channels, height, width) images in [0, 1]."""
+
+    def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, channels, height, width) images in [0, 1] -> (B, rows, cols, token_dim) tokens."""
+        raise NotImplementedError(f"{type(self).__name__} has no pixel encoder")
+
+    # ---- shared mechanics ------------------------------------------------------------------
+
+    def image_cache(self, num_layers: int, prefix_length: int):
+        """A KV cache preallocated for the prompt and every image token (backbones/kv_cache.py)."""
+        return preallocated_cache(num_layers, prefix_length + self.geometry.num_tokens)
+
+    def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
+        """Append token vectors (B, T, token_dim) after those in `state`; return their hidden states.
+
+        ``out[:, j]`` (rows, T, hidden) conditions the token after ``tokens[:, j]``. Under guidance
+        both twins get the same tokens.
+        """
+        if tokens.shape[0] != state.batch_size:
+            raise ValueError(f"step got {tokens.shape[0]} rows of tokens for a batch of {state.batch_size}")
+        start, count = state.num_image_tokens, tokens.shape[1]
+        if start + count > self.geometry.num_tokens:
+            raise ValueError(f"step would write past the image: {start} + {count} > {self.geometry.num_tokens}")
+        if state.guided:
+            tokens = torch.cat([tokens, tokens], dim=0)
+        hidden = self._forward_tokens(state, tokens)
+        state.num_image_tokens = start + count
+        return hidden
+
+    def rollback(self, state: DecodeState, num_image_tokens: int) -> None:
+        """Crop the cache back so that only the first `num_image_tokens` tokens remain."""
+        if not 0 <= num_image_tokens <= state.num_image_tokens:
+            raise ValueError(f"cannot roll back to {num_image_tokens} tokens from {state.num_image_tokens}")
+        excess = state.cache.get_seq_length() - (state.prefix_length + num_image_tokens)
+        if excess > 0:
+            state.cache.crop(-excess)
+        state.num_image_tokens = num_image_tokens
+
+    def sample_tokens(
+        self, state: DecodeState, hidden: torch.Tensor, noise: torch.Tensor, cfg_scale: float, temperature: float
+    ) -> DiffusionSample:
+        """Tokens at T positions of every image: hidden (rows, T, hidden), noise (B, T, noise_steps, token_dim).
+
+        Returns a `DiffusionSample` whose fields are shaped (B, T, token_dim).
+        """
+        batch, count = noise.shape[:2]
+        z = self.condition(hidden)  # (rows, T, C)
+        if state.guided:  # [cond rows; uncond rows], position-major inside each twin
+            cond, uncond = z.chunk(2)
+            z = torch.cat([cond.flatten(0, 1), uncond.flatten(0, 1)])
+        else:
+            z = z.flatten(0, 1)
+        drawn = self.diffusion.sample(z, noise.flatten(0, 1), cfg_scale, temperature, guided=state.guided)
+        return DiffusionSample(
+            *(
+                getattr(drawn, name).view(batch, count, -1)
+                for name in ("tokens", "final_mean", "final_std", "log_std_sum")
+            )
+        )
+
+    def draw_noise(
+        self, batch: int, count: int, generator: torch.Generator | None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Fresh trajectory noise (batch, count, noise_steps, token_dim) for `sample_tokens`."""
+        device = device or self._device()
+        shape = (batch, count, self.diffusion.noise_steps, self.token_dim)
+        return torch.randn(shape, generator=generator, device=device)
+
+    def identity(self) -> dict:
+        """What exported drafters record and check: name, sizes, geometry and a weights fingerprint."""
+        return {
+            "name": self.name,
+            "family": type(self).__name__,
+            "hidden_size": self.hidden_size,
+            "token_dim": self.token_dim,
+            "geometry": self.geometry.to_dict(),
+            "weights_fingerprint": self.weights_fingerprint(),
+        }
+
+    def weights_fingerprint(self) -> str:
+        """A short hash of the diffusion head's response to a fixed probe."""
+        device = self._device()
+        probe = torch.zeros(1, self.hidden_size, device=device)
+        probe[0, : min(8, self.hidden_size)] = 1.0
+        x = torch.zeros(1, self.token_dim, device=device)
+        with torch.no_grad():
+            eps, _ = self.diffusion.net(x, torch.zeros(1, dtype=torch.long, device=device), self.condition(probe))
+        return hashlib.sha1(eps.float().cpu().numpy().round(4).tobytes()).hexdigest()[:12]
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device

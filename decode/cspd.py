@@ -1,0 +1,197 @@
+"""CSpD: continuous speculative decoding for diffusion-head (continuous-token) AR image models.
+
+Wang et al., 2026, "Continuous Speculative Decoding for Autoregressive Image
+Generation"; code for MAR at MarkXCloud/CSpD (`spec_decode/spec_decode_runner.py`,
+`DistributionProcessor`). A continuous token has no distribution to read off,
+but given the rest of its denoising trajectory the last reverse step is a
+Gaussian; CSpD compares the drafter's and the backbone's at the same
+trajectory noise. Steps, for a causal raster-order backbone:
+
+1. Pre-fill: the backbone samples the first ``prefill_fraction`` of the tokens
+   itself (the paper's ~5%), the drafter's cache follows.
+2. Trajectory alignment: every position's trajectory noise (``x_T`` and each
+   reverse step's) is drawn once; the drafter and the backbone both use it.
+3. Draft: the drafter samples `gamma` tokens one after another through its own
+   transformer and diffusion head, keeping each one's final-step Gaussian q.
+4. Verify: one backbone pass over [the last committed token; the drafts] gives
+   the conditions of the drafted positions (and of the one after them); one
+   batched run of the backbone's diffusion head on the same noise gives each
+   position's final-step Gaussian p.
+5. Accept left to right with probability ``min(1, p(x) / q(x))``
+   (`rules.gaussian_acceptance`); at an image's first rejection draw the token
+   from ``norm(max(0, p - q))`` by acceptance-rejection
+   (`rules.gaussian_residual_sample`) and drop the drafts after it. When every
+   draft is kept, the backbone's own sample at the next position is the bonus
+   token. Roll both caches back to the committed tokens.
+
+Lossless with ``tau = 1`` and no reference correction: given a position's
+trajectory up to its last step, the backbone's token is exactly
+``N(mean, std^2)`` (`DiffusionHeadConfig.final_step_noise`), and speculative
+sampling between that and the drafter's Gaussian returns the backbone's. The
+reference code's relaxed test (``tau = 42``: both kernels 42x wider, times the
+trajectories' std ratio) is the `cspd_relaxed` preset, not lossless. Unlike the
+reference, a rejected token is always resampled from the residual (never left
+at zeros) and the drafts after it are cut, as speculative sampling requires.
+
+Batched: every image of the batch commits the same number of tokens per round,
+the fewest any image accepted (exact: where each image stops depends on the
+past only), so a batch runs at its slowest image's pace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from backbones.base import Condition
+from backbones.continuous import ContinuousARBackbone
+from decode.continuous_ar import check_continuous_sampling
+from decode.method import MethodSpec
+from decode.result import GenerationResult
+from decode.rules import first_true, gaussian_acceptance, gaussian_residual_sample
+from decode.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class CSpDConfig:
+    """CSpD's settings (defaults: the authors' MAR demo, `demo/run_mar.ipynb`)."""
+
+    gamma: int = 4  # drafts per verification (the demo's num_draft)
+    prefill_fraction: float = 0.05  # tokens the backbone samples itself first (the demo's ratio)
+    tau: float = 1.0  # 1: exact. The reference code's relaxed test widens both Gaussians by 42 (not lossless)
+    reference_correction: bool = False  # the reference's factor exp(sum log std_p - sum log std_q) (not lossless)
+    trajectory_alignment: bool = True  # drafter and backbone share every trajectory's noise
+
+    def __post_init__(self):
+        if self.gamma < 1:
+            raise ValueError(f"cspd gamma must be >= 1, got {self.gamma}")
+        if not 0 <= self.prefill_fraction < 1:
+            raise ValueError(f"cspd prefill_fraction must be in [0, 1), got {self.prefill_fraction}")
+        if not (math.isfinite(self.tau) and self.tau >= 1):
+            raise ValueError(f"cspd tau must be a finite number >= 1 (1 is exact), got {self.tau}")
+
+
+@dataclass
+class _Round:
+    """One round's drafts and the drafter's final-step Gaussians, (B, g, D) each."""
+
+    tokens: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_std_sum: torch.Tensor
+
+
+@torch.inference_mode()
+def generate_cspd(
+    backbone: ContinuousARBackbone,
+    drafter: ContinuousARBackbone,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    settings: CSpDConfig,
+    noise: torch.Tensor | None = None,
+) -> GenerationResult:
+    """Generate one image per condition with `drafter` drafting and `backbone` verifying (module doc).
+
+    `noise` (B, N, noise_steps, token_dim) replays given trajectory noise (drawn from `generator` by default);
+    with the same noise and a drafter equal to the backbone every draft is accepted.
+    """
+    check_continuous_sampling(sampling)
+    geometry, batch = backbone.geometry, condition.batch_size
+    total, cfg, temperature = geometry.num_tokens, sampling.cfg_scale, sampling.temperature
+    state, hidden = backbone.prefill(condition, sampling.guided)
+    device = hidden.device
+    if noise is None:
+        noise = backbone.draw_noise(batch, total, generator, device)
+    draft_noise = noise if settings.trajectory_alignment else backbone.draw_noise(batch, total, generator, device)
+    draft_state, _ = drafter.prefill(condition, sampling.guided)
+    tokens = hidden.new_zeros(batch, total, backbone.token_dim)
+
+    prefilled = max(1, math.ceil(settings.prefill_fraction * total))
+    for position in range(prefilled):  # 1. the backbone's own tokens first
+        drawn = backbone.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
+        tokens[:, position] = drawn.tokens[:, 0]
+        if position + 1 < prefilled:
+            hidden = backbone.step(state, drawn.tokens)
+    passes, drafted, accepted, unsettled = prefilled, 0, 0, 0
+    pending = prefilled - 1  # the last committed token, in neither cache yet
+    while pending < total - 1:
+        count = min(settings.gamma, total - 1 - pending)
+        draft = _draft(drafter, draft_state, tokens, pending, count, draft_noise, cfg, temperature)
+        # 4. One pass over [last committed; drafts]; out[:, j] conditions position pending + 1 + j.
+        out = backbone.step(state, torch.cat([tokens[:, pending : pending + 1], draft.tokens], dim=1))
+        passes += 1
+        bonus = pending + count + 1 < total
+        verified = count + int(bonus)
+        target = backbone.sample_tokens(
+            state, out[:, :verified], noise[:, pending + 1 : pending + 1 + verified], cfg, temperature
+        )
+        # 5. Accept left to right; every image commits the fewest any accepted.
+        p = (target.final_mean[:, :count], target.final_std[:, :count])
+        correction = target.log_std_sum[:, :count] - draft.log_std_sum if settings.reference_correction else None
+        ratio = gaussian_acceptance(draft.tokens, p, (draft.mean, draft.std), settings.tau, correction)
+        kept = torch.rand(ratio.shape, generator=generator, device=device) < ratio  # (B, g)
+        cut = int(first_true(~kept, none=count).min())
+        tokens[:, pending + 1 : pending + 1 + cut] = draft.tokens[:, :cut]
+        drafted += batch * count
+        accepted += batch * cut
+        if cut < count:  # the token at the cut: the accepted draft, or a residual draw where it was rejected
+            last = pending + 1 + cut
+            token, rejected = draft.tokens[:, cut].clone(), ~kept[:, cut]
+            accepted += int((~rejected).sum())
+            residual, settled = gaussian_residual_sample(
+                (p[0][rejected, cut], p[1][rejected, cut]),
+                (draft.mean[rejected, cut], draft.std[rejected, cut]),
+                generator,
+            )
+            token[rejected] = residual
+            unsettled += int((~settled).sum())
+            tokens[:, last] = token
+        elif bonus:  # every draft kept: the backbone's own sample at the next position
+            last = pending + count + 1
+            tokens[:, last] = target.tokens[:, count]
+        else:
+            last = pending + count
+        # Both caches keep the committed tokens before `last` (the drafter feeds what it lacks next round).
+        backbone.rollback(state, min(last, state.num_image_tokens))
+        drafter.rollback(draft_state, min(last, draft_state.num_image_tokens))
+        pending = last
+    return GenerationResult(
+        tokens.view(batch, geometry.rows, geometry.cols, -1),
+        forward_passes=passes,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        extras={"residual_fallbacks": unsettled},
+    )
+
+
+def _draft(drafter, state, tokens, pending: int, count: int, noise, cfg: float, temperature: float) -> _Round:
+    """3. `count` drafts after position `pending`, sampled one by one by the drafter on the aligned noise."""
+    hidden = drafter.step(state, tokens[:, state.num_image_tokens : pending + 1])  # what the drafter lacks
+    drafts = []
+    for j in range(count):
+        position = pending + 1 + j
+        drawn = drafter.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
+        drafts.append(drawn)
+        if j + 1 < count:
+            hidden = drafter.step(state, drawn.tokens)
+    return _Round(*(torch.cat([getattr(d, name) for d in drafts], dim=1) for name in _FIELDS))
+
+
+_FIELDS = ("tokens", "final_mean", "final_std", "log_std_sum")
+
+
+def _generate(backbone, drafter, condition, sampling, generator, settings: CSpDConfig) -> GenerationResult:
+    return generate_cspd(backbone, drafter.model, condition, sampling, generator, settings)
+
+
+METHOD = MethodSpec(
+    generate=_generate,
+    settings=CSpDConfig,
+    artefact="drafter",
+    artefact_kind="cspd",
+    lossless=lambda s: s.tau == 1.0 and not s.reference_correction,
+    token_kind="continuous",
+)

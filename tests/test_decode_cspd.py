@@ -1,0 +1,187 @@
+"""CSpD (decode/cspd.py) and its Gaussian rules (decode/rules.py) on tiny continuous backbones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from backbones.base import Condition
+from decode.continuous_ar import generate_continuous_ar
+from decode.cspd import CSpDConfig, generate_cspd
+from decode.rules import gaussian_acceptance, gaussian_residual_sample
+from decode.sampling import SamplingConfig
+from tests.test_diffusion_head import tiny_continuous
+
+
+def residual_density(xs, p, q):
+    """norm(max(0, p - q)) of 1-D Gaussians p = (mean, std), q = (mean, std), on a grid xs."""
+    density = np.maximum(stats.norm.pdf(xs, *p) - stats.norm.pdf(xs, *q), 0)
+    return density / np.trapezoid(density, xs)
+
+
+def histogram_pvalue(samples: np.ndarray, density, low=-6.0, high=6.0, bins=40) -> float:
+    """Chi-square of samples' histogram against an analytic density's bin masses (empty-expectation bins merged)."""
+    edges = np.linspace(low, high, bins + 1)
+    fine = np.linspace(low, high, 20001)
+    values = density(fine)
+    cumulative = np.concatenate([[0], np.cumsum((values[1:] + values[:-1]) / 2 * np.diff(fine))])
+    masses = np.diff(np.interp(edges, fine, cumulative))
+    masses = masses / masses.sum()
+    observed = np.histogram(np.clip(samples, low, high - 1e-9), edges)[0]
+    keep = masses * len(samples) >= 5
+    expected = masses[keep] * len(samples)
+    observed = observed[keep]
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+@pytest.mark.parametrize("q", [(1.0, 0.7), (0.3, 1.5), (-2.0, 1.0)])
+def test_residual_sampler_draws_the_residual(q):
+    p = (0.0, 1.0)
+    count = 40_000
+    target = (torch.full((count, 1), p[0], dtype=torch.float64), torch.full((count, 1), p[1], dtype=torch.float64))
+    draft = (torch.full((count, 1), q[0], dtype=torch.float64), torch.full((count, 1), q[1], dtype=torch.float64))
+    tokens, settled = gaussian_residual_sample(target, draft, torch.Generator().manual_seed(0))
+    assert bool(settled.all())
+    samples = tokens[:, 0].numpy()
+    assert histogram_pvalue(samples, lambda xs: residual_density(xs, p, q)) > 1e-3
+    # Power: the target itself (what a residual without its clamp at 0 amounts to) is refused.
+    plain = torch.randn(count, generator=torch.Generator().manual_seed(1), dtype=torch.float64).numpy()
+    assert histogram_pvalue(plain, lambda xs: residual_density(xs, p, q)) < 1e-6
+
+
+def speculative_draws(p, q, count, seed, residual=True):
+    """x ~ q accepted with min(1, p/q), else a residual draw (or, residual=False, a draw from p): 1-D samples."""
+    generator = torch.Generator().manual_seed(seed)
+    full = lambda value: torch.full((count, 1), value, dtype=torch.float64)  # noqa: E731
+    target, draft = (full(p[0]), full(p[1])), (full(q[0]), full(q[1]))
+    x = q[0] + q[1] * torch.randn((count, 1), generator=generator, dtype=torch.float64)
+    kept = torch.rand(count, generator=generator, dtype=torch.float64) < gaussian_acceptance(x, target, draft)
+    if residual:
+        other, _ = gaussian_residual_sample(target, draft, generator)
+    else:
+        other = p[0] + p[1] * torch.randn((count, 1), generator=generator, dtype=torch.float64)
+    return torch.where(kept[:, None], x, other)[:, 0].numpy()
+
+
+def test_gaussian_speculative_sampling_returns_the_target():
+    p, q = (0.2, 0.8), (0.9, 0.6)
+    target_density = lambda xs: stats.norm.pdf(xs, *p)  # noqa: E731
+    assert histogram_pvalue(speculative_draws(p, q, 40_000, seed=0), target_density) > 1e-3
+    # Planted bias: a rejection redrawn from p instead of the residual over-weights the overlap.
+    assert histogram_pvalue(speculative_draws(p, q, 40_000, seed=0, residual=False), target_density) < 1e-6
+
+
+def test_relaxed_test_accepts_more_and_tau_one_is_exact():
+    x = torch.tensor([[0.1, 0.0]])
+    target, draft = (
+        (torch.zeros(1, 2), torch.full((1, 2), 0.01)),
+        (torch.tensor([[0.1, 0.0]]), torch.full((1, 2), 0.01)),
+    )
+    exact = float(gaussian_acceptance(x, target, draft))
+    relaxed = float(gaussian_acceptance(x, target, draft, tau=42.0))
+    assert exact < 1e-10 < 0.9 < relaxed  # ten stds apart: exact rejects; 42x wider kernels accept
+    assert float(gaussian_acceptance(x, draft, draft)) == 1.0
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("gamma,prefill", [(1, 0.0), (3, 0.05), (7, 0.3)])
+def test_drafter_equal_to_backbone_accepts_every_draft(cfg_scale, gamma, prefill):
+    backbone = tiny_continuous()
+    condition = Condition(class_ids=torch.tensor([1, 4, 9]))
+    sampling = SamplingConfig(cfg_scale=cfg_scale)
+    noise = backbone.draw_noise(3, 16, torch.Generator().manual_seed(0))
+    ar = generate_continuous_ar(backbone, condition, sampling, noise=noise)
+    result = generate_cspd(
+        backbone, backbone, condition, sampling, torch.Generator().manual_seed(1),
+        CSpDConfig(gamma=gamma, prefill_fraction=prefill), noise=noise,
+    )  # fmt: skip
+    assert result.accepted_tokens == result.drafted_tokens > 0
+    # Equal up to float32 rounding: a pass over several tokens rounds its sums otherwise than one-token steps.
+    torch.testing.assert_close(result.tokens, ar.tokens, rtol=0, atol=1e-5)
+    prefilled = max(1, int(np.ceil(prefill * 16)))
+    rounds = int(np.ceil((16 - prefilled) / (gamma + 1)))  # gamma drafts + the bonus token per pass
+    assert result.forward_passes == prefilled + rounds
+
+
+def perturbed_drafter(backbone, scale: float, seed: int = 7):
+    """The backbone with its diffusion head's weights nudged: drafts close to, not equal to, the backbone's."""
+    drafter = tiny_continuous()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.diffusion.net.output.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+    return drafter
+
+
+def first_tokens(result, count: int = 3) -> np.ndarray:
+    return result.tokens.flatten(1, 2)[:, :count].flatten(1).numpy()  # (B, count * token_dim)
+
+
+def ks_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Bonferroni-corrected smallest p-value of per-channel two-sample KS tests, (N, C) against (M, C)."""
+    return min(stats.ks_2samp(a[:, d], b[:, d]).pvalue for d in range(a.shape[1])) * a.shape[1]
+
+
+class CSpDRuns:
+    """CSpD on `count` images of one class, `chunk` per batch (a batch commits its slowest image's tokens: small
+    batches let runs of accepted drafts through), with the acceptance over all of them."""
+
+    def __init__(self, backbone, drafter, sampling):
+        self.backbone, self.drafter, self.sampling = backbone, drafter, sampling
+
+    def __call__(self, settings: CSpDConfig, count: int, chunk: int, seed: int) -> tuple[np.ndarray, float]:
+        tokens, drafted, accepted = [], 0, 0
+        for k in range(count // chunk):
+            condition = Condition(class_ids=torch.full((chunk,), 2))
+            generator = torch.Generator().manual_seed(seed + k)
+            result = generate_cspd(self.backbone, self.drafter, condition, self.sampling, generator, settings)
+            tokens.append(first_tokens(result))
+            drafted, accepted = drafted + result.drafted_tokens, accepted + result.accepted_tokens
+        return np.concatenate(tokens), accepted / drafted
+
+
+def test_exact_cspd_has_the_backbones_distribution():
+    """Per position and channel, two-sample KS tests of CSpD's first tokens against AR's (fixed seeds, 2,000 each):
+    a drafter near the backbone (about half its drafts accepted), one draft and three per pass."""
+    backbone = tiny_continuous()
+    sampling = SamplingConfig(cfg_scale=2.0)
+    count = 2000
+    condition = Condition(class_ids=torch.full((count,), 2))
+    ar = first_tokens(generate_continuous_ar(backbone, condition, sampling, torch.Generator().manual_seed(10)))
+    runs = CSpDRuns(backbone, perturbed_drafter(backbone, scale=1e-3), sampling)
+    one, acceptance = runs(CSpDConfig(gamma=1, prefill_fraction=0), count, chunk=count, seed=11)
+    assert 0.2 < acceptance < 0.8, acceptance  # the acceptance and the residual paths both carry weight
+    assert ks_pvalue(ar, one) > 1e-3
+    three, acceptance = runs(CSpDConfig(gamma=3, prefill_fraction=0), count, chunk=16, seed=12)
+    assert acceptance > 0.1, acceptance
+    assert ks_pvalue(ar, three) > 1e-3
+
+
+def test_shifted_drafter_is_corrected_and_caught_without_correction():
+    """A drafter whose tokens are clearly off: exact CSpD still gives the backbone's tokens; accepting its drafts
+    without the test (an infinitely relaxed tau) gives the drafter's, and the same KS test refuses them."""
+    backbone = tiny_continuous()
+    sampling = SamplingConfig(cfg_scale=2.0)
+    count = 2000
+    condition = Condition(class_ids=torch.full((count,), 2))
+    ar = first_tokens(generate_continuous_ar(backbone, condition, sampling, torch.Generator().manual_seed(10)))
+    runs = CSpDRuns(backbone, perturbed_drafter(backbone, scale=0.3), sampling)
+    exact, _ = runs(CSpDConfig(gamma=3, prefill_fraction=0), count, chunk=count, seed=11)
+    assert ks_pvalue(ar, exact) > 1e-3
+    uncorrected, acceptance = runs(CSpDConfig(gamma=3, prefill_fraction=0, tau=1e6), count, chunk=count, seed=11)
+    assert acceptance > 0.99
+    assert ks_pvalue(ar, uncorrected) < 1e-6
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="gamma"):
+        CSpDConfig(gamma=0)
+    with pytest.raises(ValueError, match="tau"):
+        CSpDConfig(tau=float("nan"))
+    with pytest.raises(ValueError, match="prefill_fraction"):
+        CSpDConfig(prefill_fraction=1.0)
+    backbone = tiny_continuous()
+    with pytest.raises(ValueError, match="diffusion head"):
+        generate_continuous_ar(backbone, Condition(class_ids=torch.tensor([1])), SamplingConfig(greedy=True))
