@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
 from backbones.digits import random_digits_backbone
+from backbones.digits_continuous import random_continuous_digits_backbone
 from common.paths import PROJECT_ROOT, register_config_resolvers
 
 register_config_resolvers()
@@ -129,3 +130,20 @@ def assert_greedy_lossless_methods_equal_greedy_ar(backbone, condition, cfg_scal
     # A narrower window runs rows in parallel: fewer passes.
     parallel = generate_zipar(backbone, condition, sampling, config=ZipARDecodeConfig(window=1))
     assert parallel.forward_passes < backbone.geometry.num_tokens or backbone.geometry.rows == 1
+
+
+TINY_CONTINUOUS = dict(
+    image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+    head_width=32, head_depth=1, sampling_steps=4,
+)  # fmt: skip
+
+
+def tiny_continuous(seed: int = 0, head_std: float | None = 0.1):
+    """A tiny random continuous digits backbone (4x4 tokens of 4 values); a random (not zero) diffusion output."""
+    backbone = random_continuous_digits_backbone(seed=seed, **TINY_CONTINUOUS)
+    if head_std is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in backbone.diffusion.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * head_std)
+    return backbone

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_CONTINUOUS, tiny_continuous
 from scipy import stats
 
 from backbones.base import Condition
+from backbones.digits_continuous import random_continuous_digits_backbone
 from decode.continuous_ar import generate_continuous_ar
 from decode.cspd import CSpDConfig, generate_cspd
 from decode.rules import gaussian_acceptance, gaussian_residual_sample
 from decode.sampling import SamplingConfig
-from tests.test_diffusion_head import tiny_continuous
 
 
 def residual_density(xs, p, q):
@@ -185,3 +188,81 @@ def test_settings_are_checked():
     backbone = tiny_continuous()
     with pytest.raises(ValueError, match="diffusion head"):
         generate_continuous_ar(backbone, Condition(class_ids=torch.tensor([1])), SamplingConfig(greedy=True))
+
+
+@pytest.fixture(scope="session")
+def continuous_classifier_cache(tmp_path_factory):
+    """A checkpoints dir with the 8x8 classifier of 16 levels that scores the tiny continuous backbone's images."""
+    from train.digits_classifier import train_and_save
+
+    directory = tmp_path_factory.mktemp("checkpoints")
+    train_and_save(directory / "digits-classifier", 8, 16, log=lambda _: None)
+    return directory
+
+
+def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
+    from conftest import compose_config
+
+    from heads.export import load_heads
+    from train.pipeline import run_training
+
+    export = tmp_path / "export"
+    tiny = [
+        "+experiment=cspd_digits",
+        "backbone=digits_continuous_tiny",
+        "data=digits_continuous_tiny",
+        "trainer=debug",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "callbacks.samples.every_n_steps=2",
+        "callbacks.samples.num_images=2",
+        f"export.dir={export}",
+        f"paths.root_dir={tmp_path}",
+        f"paths.checkpoints_dir={continuous_classifier_cache}",
+        "train.evaluate.num_images=2",
+    ]
+    metrics = run_training(compose_config(tiny, tmp_path / "run"))
+    assert metrics["train/diffusion_loss"] > 0
+    drafter = load_heads(export, kind="cspd")
+    assert drafter.config.hidden_size == 96 and drafter.config.sampling_steps == 4  # the backbone's steps
+    assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()
+    report = json.loads((tmp_path / "run" / "evaluation" / "metrics.json").read_text())
+    assert report["methods"]["cspd"]["lossless"] and not report["methods"]["cspd_relaxed"]["lossless"]
+    assert report["methods"]["cspd_relaxed"]["settings"]["tau"] == 42.0
+    for name in ("ar", "cspd", "cspd_relaxed"):
+        figures = report["methods"][name]
+        assert 0 <= figures["quality"]["classifier_accuracy"] <= 1 and figures["forward_passes_per_image"] >= 1
+    assert report["methods"]["ar"]["forward_passes_per_image"] == 16
+
+
+def test_drafter_export_round_trip_and_refusals(tmp_path):
+    from heads.cspd import CSpDDrafter, CSpDDrafterConfig
+    from heads.export import HeadsMismatchError, export_heads, load_heads
+
+    backbone = tiny_continuous()
+    drafter = CSpDDrafter(CSpDDrafterConfig.for_backbone(backbone, hidden_size=16, num_heads=2, num_layers=1,
+                                                         intermediate_size=32, head_width=16))  # fmt: skip
+    export_heads(drafter, tmp_path, backbone.identity())
+    loaded = load_heads(tmp_path, backbone, kind="cspd")
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="'cspd' heads, but 'ssd'"):
+        load_heads(tmp_path, backbone, kind="ssd")
+    other = random_continuous_digits_backbone(**{**TINY_CONTINUOUS, "image_size": 12})
+    with pytest.raises(HeadsMismatchError, match="geometry"):
+        load_heads(tmp_path, other, kind="cspd")
+    fewer_steps = random_continuous_digits_backbone(**{**TINY_CONTINUOUS, "sampling_steps": 3})
+    with pytest.raises(HeadsMismatchError, match="diffusion noise steps"):
+        load_heads(tmp_path, fewer_steps, kind="cspd")
+
+
+def test_discrete_methods_are_refused_on_a_continuous_backbone():
+    from omegaconf import OmegaConf
+
+    from decode.registry import check_methods, load_artefacts
+
+    decode_cfg = OmegaConf.create(
+        {"methods": ["ar", "sjd"], "presets": {"ar": {"generator": "decode.ar"}, "sjd": {"generator": "decode.sjd"}}}
+    )
+    with pytest.raises(ValueError, match="decodes discrete tokens, but digits-continuous has continuous tokens"):
+        load_artefacts(check_methods(decode_cfg), tiny_continuous())

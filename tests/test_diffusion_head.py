@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_continuous
 
 from backbones.base import Condition
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig, respaced_steps
-from backbones.digits_continuous import ContinuousDigitsConfig, random_continuous_digits_backbone
-
-TINY_CONTINUOUS = dict(
-    image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-    head_width=32, head_depth=1, sampling_steps=4,
-)  # fmt: skip
-
-
-def tiny_continuous(seed: int = 0, head_std: float | None = 0.1):
-    """A tiny random continuous digits backbone (4x4 tokens of 4 values); a random (not zero) diffusion output."""
-    backbone = random_continuous_digits_backbone(seed=seed, **TINY_CONTINUOUS)
-    if head_std is not None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for parameter in backbone.diffusion.parameters():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * head_std)
-    return backbone
+from backbones.digits_continuous import ContinuousDigitsConfig
 
 
 def reference_sample(head: DiffusionHead, z, noise, cfg_scale, temperature, guided):
