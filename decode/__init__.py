@@ -4,22 +4,28 @@ Public API (stable; use it from your own scripts)::
 
     from decode import Condition, SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
     from decode import MuLoDecodeConfig, generate_mulo
+    from decode import CSpDConfig, generate_continuous_ar, generate_cspd   # continuous-token backbones
 """
 
 from backbones.base import Condition
 from decode.ar import generate_ar
+from decode.continuous_ar import generate_continuous_ar
+from decode.cspd import CSpDConfig, generate_cspd
 from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
 
 __all__ = [
+    "CSpDConfig",
     "Condition",
     "GenerationResult",
     "MuLoDecodeConfig",
     "SamplingConfig",
     "SSDDecodeConfig",
     "generate_ar",
+    "generate_continuous_ar",
+    "generate_cspd",
     "generate_mulo",
     "generate_ssd",
 ]
