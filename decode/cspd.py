@@ -41,6 +41,7 @@ past only), so a batch runs at its slowest image's pace.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,13 +75,39 @@ class CSpDConfig:
 
 
 @dataclass
-class _Round:
-    """One round's drafts and the drafter's final-step Gaussians, (B, g, D) each."""
+class DraftRound:
+    """One round's drafts and the Gaussians they were drawn from, (B, g, D) each."""
 
     tokens: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     log_std_sum: torch.Tensor
+
+    @classmethod
+    def of(cls, samples: list) -> DraftRound:
+        """Concatenate `DiffusionSample`s (B, t, D) along the position axis."""
+        return cls(*(torch.cat([getattr(s, name) for s in samples], dim=1) for name in _FIELDS))
+
+
+_FIELDS = ("tokens", "final_mean", "final_std", "log_std_sum")
+
+
+@dataclass
+class Speculation:
+    """What a drafter sees: the committed tokens, the backbone's states and the trajectory noise."""
+
+    backbone: ContinuousARBackbone
+    state: object  # the backbone's DecodeState
+    tokens: torch.Tensor  # (B, N, D); positions <= pending are committed
+    states: torch.Tensor  # (rows, N, hidden): states[:, i] conditions token i (valid for i <= pending)
+    noise: torch.Tensor  # (B, N, noise_steps, D), the backbone's
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+
+
+# draft(speculation, pending) -> the drafts of positions pending + 1 ... (at least one); rollback(last): after a
+# round the drafter keeps what it needs of the tokens committed before position `last`.
+Drafter = tuple[Callable[[Speculation, int], DraftRound], Callable[[int], None]]
 
 
 @torch.inference_mode()
@@ -98,19 +125,51 @@ def generate_cspd(
     `noise` (B, N, noise_steps, token_dim) replays given trajectory noise (drawn from `generator` by default);
     with the same noise and a drafter equal to the backbone every draft is accepted.
     """
+    draft_state, _ = drafter.prefill(condition, sampling.guided)
+    own_noise = None
+
+    def draft(run: Speculation, pending: int) -> DraftRound:
+        nonlocal own_noise
+        if settings.trajectory_alignment:
+            noise_of_drafts = run.noise
+        else:  # the drafter's own trajectories, drawn once
+            if own_noise is None:
+                own_noise = run.backbone.draw_noise(*run.noise.shape[:2], run.generator, run.noise.device)
+            noise_of_drafts = own_noise
+        count = min(settings.gamma, run.tokens.shape[1] - 1 - pending)
+        return _draft_sequential(drafter, draft_state, run, pending, count, noise_of_drafts)
+
+    def rollback(last: int) -> None:
+        drafter.rollback(draft_state, min(last, draft_state.num_image_tokens))
+
+    return speculate(backbone, condition, sampling, generator, settings, (draft, rollback), noise)
+
+
+def speculate(
+    backbone: ContinuousARBackbone,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    settings: CSpDConfig,
+    drafter: Drafter,
+    noise: torch.Tensor | None = None,
+) -> GenerationResult:
+    """Steps 1, 4 and 5 of the module doc around any drafter: pre-fill, then verify each round's drafts."""
     check_continuous_sampling(sampling)
+    draft, drafter_rollback = drafter
     geometry, batch = backbone.geometry, condition.batch_size
     total, cfg, temperature = geometry.num_tokens, sampling.cfg_scale, sampling.temperature
     state, hidden = backbone.prefill(condition, sampling.guided)
     device = hidden.device
     if noise is None:
         noise = backbone.draw_noise(batch, total, generator, device)
-    draft_noise = noise if settings.trajectory_alignment else backbone.draw_noise(batch, total, generator, device)
-    draft_state, _ = drafter.prefill(condition, sampling.guided)
     tokens = hidden.new_zeros(batch, total, backbone.token_dim)
+    states = hidden.new_zeros(hidden.shape[0], total, hidden.shape[-1])
+    run = Speculation(backbone, state, tokens, states, noise, sampling, generator)
 
     prefilled = max(1, math.ceil(settings.prefill_fraction * total))
     for position in range(prefilled):  # 1. the backbone's own tokens first
+        states[:, position] = hidden[:, -1]
         drawn = backbone.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
         tokens[:, position] = drawn.tokens[:, 0]
         if position + 1 < prefilled:
@@ -118,10 +177,10 @@ def generate_cspd(
     passes, drafted, accepted, unsettled = prefilled, 0, 0, 0
     pending = prefilled - 1  # the last committed token, in neither cache yet
     while pending < total - 1:
-        count = min(settings.gamma, total - 1 - pending)
-        draft = _draft(drafter, draft_state, tokens, pending, count, draft_noise, cfg, temperature)
+        round_ = draft(run, pending)
+        count = round_.tokens.shape[1]
         # 4. One pass over [last committed; drafts]; out[:, j] conditions position pending + 1 + j.
-        out = backbone.step(state, torch.cat([tokens[:, pending : pending + 1], draft.tokens], dim=1))
+        out = backbone.step(state, torch.cat([tokens[:, pending : pending + 1], round_.tokens], dim=1))
         passes += 1
         bonus = pending + count + 1 < total
         verified = count + int(bonus)
@@ -130,20 +189,21 @@ def generate_cspd(
         )
         # 5. Accept left to right; every image commits the fewest any accepted.
         p = (target.final_mean[:, :count], target.final_std[:, :count])
-        correction = target.log_std_sum[:, :count] - draft.log_std_sum if settings.reference_correction else None
-        ratio = gaussian_acceptance(draft.tokens, p, (draft.mean, draft.std), settings.tau, correction)
+        log_stds = target.log_std_sum[:, :count] - round_.log_std_sum  # (B, g, D): summed over steps
+        correction = log_stds.sum(-1) if settings.reference_correction else None
+        ratio = gaussian_acceptance(round_.tokens, p, (round_.mean, round_.std), settings.tau, correction)
         kept = torch.rand(ratio.shape, generator=generator, device=device) < ratio  # (B, g)
         cut = int(first_true(~kept, none=count).min())
-        tokens[:, pending + 1 : pending + 1 + cut] = draft.tokens[:, :cut]
+        tokens[:, pending + 1 : pending + 1 + cut] = round_.tokens[:, :cut]
         drafted += batch * count
         accepted += batch * cut
         if cut < count:  # the token at the cut: the accepted draft, or a residual draw where it was rejected
             last = pending + 1 + cut
-            token, rejected = draft.tokens[:, cut].clone(), ~kept[:, cut]
+            token, rejected = round_.tokens[:, cut].clone(), ~kept[:, cut]
             accepted += int((~rejected).sum())
             residual, settled = gaussian_residual_sample(
                 (p[0][rejected, cut], p[1][rejected, cut]),
-                (draft.mean[rejected, cut], draft.std[rejected, cut]),
+                (round_.mean[rejected, cut], round_.std[rejected, cut]),
                 generator,
             )
             token[rejected] = residual
@@ -154,9 +214,10 @@ def generate_cspd(
             tokens[:, last] = target.tokens[:, count]
         else:
             last = pending + count
+        states[:, pending + 1 : last + 1] = out[:, : last - pending]
         # Both caches keep the committed tokens before `last` (the drafter feeds what it lacks next round).
         backbone.rollback(state, min(last, state.num_image_tokens))
-        drafter.rollback(draft_state, min(last, draft_state.num_image_tokens))
+        drafter_rollback(last)
         pending = last
     return GenerationResult(
         tokens.view(batch, geometry.rows, geometry.cols, -1),
@@ -167,20 +228,20 @@ def generate_cspd(
     )
 
 
-def _draft(drafter, state, tokens, pending: int, count: int, noise, cfg: float, temperature: float) -> _Round:
-    """3. `count` drafts after position `pending`, sampled one by one by the drafter on the aligned noise."""
+def _draft_sequential(drafter, state, run: Speculation, pending: int, count: int, noise) -> DraftRound:
+    """3. `count` drafts after position `pending`, sampled one by one by the drafter on the given noise."""
+    sampling, tokens = run.sampling, run.tokens
     hidden = drafter.step(state, tokens[:, state.num_image_tokens : pending + 1])  # what the drafter lacks
     drafts = []
     for j in range(count):
         position = pending + 1 + j
-        drawn = drafter.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
+        drawn = drafter.sample_tokens(
+            state, hidden[:, -1:], noise[:, position : position + 1], sampling.cfg_scale, sampling.temperature
+        )
         drafts.append(drawn)
         if j + 1 < count:
             hidden = drafter.step(state, drawn.tokens)
-    return _Round(*(torch.cat([getattr(d, name) for d in drafts], dim=1) for name in _FIELDS))
-
-
-_FIELDS = ("tokens", "final_mean", "final_std", "log_std_sum")
+    return DraftRound.of(drafts)
 
 
 def _generate(backbone, drafter, condition, sampling, generator, settings: CSpDConfig) -> GenerationResult:

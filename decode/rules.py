@@ -242,6 +242,10 @@ def gaussian_acceptance(
     # With both kernels widened by tau, their normalisers' ratio is still the true stds' ratio (as the reference).
     log_ratio = gaussian_log_density(x, p_mean, p_std * tau) - gaussian_log_density(x, q_mean, q_std * tau)
     if log_correction is not None:
+        if log_correction.shape != log_ratio.shape:  # a per-channel correction would broadcast silently
+            raise ValueError(
+                f"log_correction must be shaped {tuple(log_ratio.shape)}, got {tuple(log_correction.shape)}"
+            )
         log_ratio = log_ratio + log_correction.double()
     return log_ratio.clamp(max=0).exp().to(x.dtype)
 

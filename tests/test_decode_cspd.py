@@ -86,6 +86,11 @@ def test_relaxed_test_accepts_more_and_tau_one_is_exact():
     relaxed = float(gaussian_acceptance(x, target, draft, tau=42.0))
     assert exact < 1e-10 < 0.9 < relaxed  # ten stds apart: exact rejects; 42x wider kernels accept
     assert float(gaussian_acceptance(x, draft, draft)) == 1.0
+    # The reference's correction exp(sum log std_p - sum log std_q) is one number per token.
+    halved = float(gaussian_acceptance(x, draft, draft, log_correction=torch.tensor([np.log(0.5)])))
+    assert halved == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="log_correction must be shaped"):
+        gaussian_acceptance(x, draft, draft, log_correction=torch.zeros(1, 2))
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
