@@ -56,6 +56,10 @@ class ContinuousARBackbone(nn.Module, ABC):
         """Append token vectors (rows, T, token_dim) to the cache; return pre-norm hidden states (rows, T, hidden)."""
 
     @abstractmethod
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding of token vectors, (..., token_dim) -> (..., hidden) (what latent heads read)."""
+
+    @abstractmethod
     def condition(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states (..., hidden) -> the diffusion head's conditioning vectors (..., condition_dim)."""
 

@@ -183,11 +183,14 @@ class ContinuousDigitsBackbone(ContinuousARBackbone):
         return state, self._run(state, self.bos.expand(len(class_ids), 1, -1))
 
     def _forward_tokens(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
-        return self._run(state, self.token_proj(tokens.to(self.token_proj.weight.dtype)))
+        return self._run(state, self.embed_tokens(tokens))
 
     def _run(self, state: DecodeState, embeds: torch.Tensor) -> torch.Tensor:
         embeds = embeds + state.extras["class_embedding"]
         return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True).last_hidden_state
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token_proj(tokens.to(self.token_proj.weight.dtype))
 
     def condition(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)

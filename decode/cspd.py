@@ -142,7 +142,11 @@ def generate_cspd(
     def rollback(last: int) -> None:
         drafter.rollback(draft_state, min(last, draft_state.num_image_tokens))
 
-    return speculate(backbone, condition, sampling, generator, settings, (draft, rollback), noise)
+    return speculate(
+        backbone, condition, sampling, generator, (draft, rollback), noise,
+        prefill_fraction=settings.prefill_fraction, tau=settings.tau,
+        reference_correction=settings.reference_correction,
+    )  # fmt: skip
 
 
 def speculate(
@@ -150,11 +154,16 @@ def speculate(
     condition: Condition,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-    settings: CSpDConfig,
     drafter: Drafter,
     noise: torch.Tensor | None = None,
+    *,
+    prefill_fraction: float,
+    tau: float,
+    reference_correction: bool = False,
+    min_prefill: int = 1,
 ) -> GenerationResult:
-    """Steps 1, 4 and 5 of the module doc around any drafter: pre-fill, then verify each round's drafts."""
+    """Steps 1, 4 and 5 of the module doc around any drafter: pre-fill (``prefill_fraction`` of the tokens, at
+    least `min_prefill`), then verify each round's drafts."""
     check_continuous_sampling(sampling)
     draft, drafter_rollback = drafter
     geometry, batch = backbone.geometry, condition.batch_size
@@ -167,7 +176,7 @@ def speculate(
     states = hidden.new_zeros(hidden.shape[0], total, hidden.shape[-1])
     run = Speculation(backbone, state, tokens, states, noise, sampling, generator)
 
-    prefilled = max(1, math.ceil(settings.prefill_fraction * total))
+    prefilled = min(total, max(1, min_prefill, math.ceil(prefill_fraction * total)))
     for position in range(prefilled):  # 1. the backbone's own tokens first
         states[:, position] = hidden[:, -1]
         drawn = backbone.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
@@ -190,8 +199,8 @@ def speculate(
         # 5. Accept left to right; every image commits the fewest any accepted.
         p = (target.final_mean[:, :count], target.final_std[:, :count])
         log_stds = target.log_std_sum[:, :count] - round_.log_std_sum  # (B, g, D): summed over steps
-        correction = log_stds.sum(-1) if settings.reference_correction else None
-        ratio = gaussian_acceptance(round_.tokens, p, (round_.mean, round_.std), settings.tau, correction)
+        correction = log_stds.sum(-1) if reference_correction else None
+        ratio = gaussian_acceptance(round_.tokens, p, (round_.mean, round_.std), tau, correction)
         kept = torch.rand(ratio.shape, generator=generator, device=device) < ratio  # (B, g)
         cut = int(first_true(~kept, none=count).min())
         tokens[:, pending + 1 : pending + 1 + cut] = round_.tokens[:, :cut]

@@ -40,6 +40,7 @@ TRAINING_COMMANDS = {
     "mulo": "python -m train +experiment=mulo_digits",
     "eagle": "python -m train +experiment=eagle_digits",
     "cspd": "python -m train +experiment=cspd_digits",
+    "cspd_rows": "python -m train +experiment=cspd_rows_digits",
 }
 
 
@@ -137,7 +138,7 @@ def check_token_kinds(methods: list[Method], backbone) -> None:
             raise ValueError(
                 f"decode method {method.name!r} ({method.generator}) decodes {method.spec.token_kind} tokens, but "
                 f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, "
-                "cspd_relaxed; discrete: ar, ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
+                "cspd_relaxed, cspd_rows; discrete: ar, ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
             )
 
 

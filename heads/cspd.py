@@ -1,4 +1,4 @@
-"""CSpD's drafter: a small continuous-token AR model of the backbone's own family, with its own diffusion head.
+"""CSpD's drafters: a small continuous-token AR model of the backbone's family (the paper's), and row heads.
 
 Continuous speculative decoding (Wang et al., 2026; MarkXCloud/CSpD) drafts with
 a smaller model of the same kind as the target (MAR-B drafting for MAR-H): it
@@ -9,15 +9,21 @@ backbone is a `ContinuousDigitsBackbone` a few times smaller; it must share the
 backbone's token grid, token size and diffusion sampling steps (the noise of
 one trajectory is one vector per step), which `for_backbone` copies and
 `bind` checks.
+
+`ContinuousRowHeads` goes beyond the paper: SSD's vertical latent head on the
+backbone's own states drafts a whole row of continuous tokens at once, sampled
+by the backbone's own diffusion head.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import nn
 
 from backbones.digits_continuous import ContinuousDigitsBackbone, ContinuousDigitsConfig
+from heads.ssd import SSDHeadConfig, SSDLatentPredictor, SSDRowAttentionPredictor
 
 
 @dataclass
@@ -96,3 +102,24 @@ class CSpDDrafter(nn.Module):
             )
         if problems:
             raise ValueError(f"the CSpD drafter does not fit {backbone.name}: {'; '.join(problems)}")
+
+
+class ContinuousRowHeads(nn.Module):
+    """SSD's vertical latent head for a continuous-token backbone: the state below each token of a row.
+
+    From the backbone's state ``H[i]`` at every position of a committed row and the input embedding of the
+    token there, it predicts ``H[i + cols]``, the state that conditions the token below; the backbone's own
+    diffusion head then samples the whole row below in one batched run (decode/cspd_rows.py). The
+    predictor is SSD's (`SSDLatentPredictor`, or `SSDRowAttentionPredictor` with ``row_attention_layers``).
+    """
+
+    kind = "cspd_rows"
+
+    def __init__(self, config: SSDHeadConfig):
+        super().__init__()
+        self.config = config
+        self.vertical = SSDRowAttentionPredictor(config) if config.row_attention_layers else SSDLatentPredictor(config)
+
+    def forward(self, hidden: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        """States (..., cols, H) of a row and its tokens' embeddings (..., cols, H) -> states below (..., cols, H)."""
+        return self.vertical(hidden, token_embedding)

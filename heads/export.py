@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.atomic_io import atomic_save_safetensors, atomic_write_text, remove_leftover_temporaries
-from heads.cspd import CSpDDrafter, CSpDDrafterConfig
+from heads.cspd import ContinuousRowHeads, CSpDDrafter, CSpDDrafterConfig
 from heads.eagle import EagleHead, EagleHeadConfig
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
 from heads.ssd import SSDHeadConfig, SSDHeads
@@ -42,6 +42,7 @@ HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {
     "mulo": (MuLoDrafter, MuLoDrafterConfig),
     "eagle": (EagleHead, EagleHeadConfig),
     "cspd": (CSpDDrafter, CSpDDrafterConfig),
+    "cspd_rows": (ContinuousRowHeads, SSDHeadConfig),
 }
 
 

@@ -30,6 +30,8 @@ TINY_SWAPS = {
     "backbone_digits_continuous": ["data=digits_continuous_tiny"],
     "cspd": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
     "cspd_digits": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
+    "cspd_rows": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
+    "cspd_rows_digits": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
 }
 
 

@@ -271,3 +271,70 @@ def test_discrete_methods_are_refused_on_a_continuous_backbone():
     )
     with pytest.raises(ValueError, match="decodes discrete tokens, but digits-continuous has continuous tokens"):
         load_artefacts(check_methods(decode_cfg), tiny_continuous())
+
+
+class OracleRowHeads:
+    """Row 'heads' that return the backbone's own states of a known image's rows (found by the row above)."""
+
+    def __init__(self, backbone, tokens, class_ids, guided: bool):
+        flat = tokens.flatten(1, 2)
+        states = [backbone.teacher_forced_hidden_states(flat, class_ids)]
+        if guided:
+            states.append(backbone.teacher_forced_hidden_states(flat, torch.full_like(class_ids, backbone.num_classes)))
+        self.states, self.cols = torch.cat(states), backbone.geometry.cols
+
+    def __call__(self, above, _embedding):
+        rows = self.states.view(*self.states.shape[:1], -1, self.cols, self.states.shape[-1])
+        index = int((rows - above[:, None]).abs().amax(dim=(0, 2, 3)).argmin())
+        return rows[:, index + 1]
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_row_drafts_of_the_backbones_own_states_are_all_accepted(cfg_scale):
+    from decode.cspd_rows import CSpDRowsConfig, generate_cspd_rows
+
+    backbone = tiny_continuous()
+    class_ids = torch.tensor([2, 6])
+    condition, sampling = Condition(class_ids=class_ids), SamplingConfig(cfg_scale=cfg_scale)
+    noise = backbone.draw_noise(2, 16, torch.Generator().manual_seed(0))
+    ar = generate_continuous_ar(backbone, condition, sampling, noise=noise)
+    oracle = OracleRowHeads(backbone, ar.tokens, class_ids, sampling.guided)
+    result = generate_cspd_rows(backbone, oracle, condition, sampling, torch.Generator().manual_seed(1),
+                                CSpDRowsConfig(), noise=noise)  # fmt: skip
+    assert result.accepted_tokens == result.drafted_tokens > 0
+    torch.testing.assert_close(result.tokens, ar.tokens, rtol=0, atol=1e-4)
+    assert (
+        result.forward_passes == 4 + 3
+    )  # the first row by the backbone, then one pass per row (bonus: next row's first)
+
+
+def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
+    from conftest import compose_config
+
+    from heads.export import load_heads
+    from train.pipeline import run_training
+
+    export = tmp_path / "export"
+    tiny = [
+        "+experiment=cspd_rows_digits",
+        "backbone=digits_continuous_tiny",
+        "data=digits_continuous_tiny",
+        "trainer=debug",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "module.head.width=16",
+        "callbacks.samples.every_n_steps=2",
+        "callbacks.samples.num_images=2",
+        f"export.dir={export}",
+        f"paths.root_dir={tmp_path}",
+        f"paths.checkpoints_dir={continuous_classifier_cache}",
+        "train.evaluate.num_images=2",
+    ]
+    metrics = run_training(compose_config(tiny, tmp_path / "run"))
+    assert metrics["train/latent_loss"] > 0 and metrics["train/diffusion_loss"] > 0
+    heads = load_heads(export, kind="cspd_rows")
+    assert heads.config.row_attention_layers == 1 and heads.config.hidden_size == 32
+    report = json.loads((tmp_path / "run" / "evaluation" / "metrics.json").read_text())
+    rows = report["methods"]["cspd_rows"]
+    assert rows["lossless"] and rows["forward_passes_per_image"] <= 16
+    assert report["methods"]["ar"]["forward_passes_per_image"] == 16
