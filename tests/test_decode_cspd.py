@@ -261,6 +261,23 @@ def test_drafter_export_round_trip_and_refusals(tmp_path):
         load_heads(tmp_path, fewer_steps, kind="cspd")
 
 
+def test_row_heads_export_round_trip_and_refusals(tmp_path):
+    from heads.cspd import ContinuousRowHeads
+    from heads.export import HeadsMismatchError, export_heads, load_heads
+    from heads.ssd import SSDHeadConfig
+
+    backbone = tiny_continuous()
+    heads = ContinuousRowHeads(SSDHeadConfig(hidden_size=32, width=16, row_attention_layers=1))
+    export_heads(heads, tmp_path, backbone.identity())
+    loaded = load_heads(tmp_path, backbone, kind="cspd_rows")
+    for (name, a), (_, b) in zip(heads.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="'cspd_rows' heads, but 'cspd'"):
+        load_heads(tmp_path, backbone, kind="cspd")
+    with pytest.raises(HeadsMismatchError, match="hidden_size"):
+        load_heads(tmp_path, random_continuous_digits_backbone(**{**TINY_CONTINUOUS, "hidden_size": 64}))
+
+
 def test_discrete_methods_are_refused_on_a_continuous_backbone():
     from omegaconf import OmegaConf
 
