@@ -1,0 +1,662 @@
+"""MAR (Li et al., "Autoregressive Image Generation without Vector Quantization", NeurIPS 2024; code LTH14/mar).
+
+MAR is a masked autoencoder over the 16x16 grid of 16-channel KL-16 VAE latents
+of a 256px image, generating in a random order: at each of `num_iter` steps a
+bidirectional encoder reads the class condition and the tokens known so far,
+a decoder fills in the unknown positions, and the per-token diffusion head
+samples the tokens that this step reveals. It is not causal, so it does not sit
+behind `backbones.continuous.ContinuousARBackbone` (which assumes a KV cache over a raster
+order); `MARBackbone` gives the two things speculative decoding needs instead:
+`sample` (the reference generator, with every random draw an argument) and
+`predict_conditions` (one verifier pass: the conditioning vectors of every
+position given any set of known tokens).
+
+Architecture (LTH14/mar ``models/mar.py``, class ``MAR``), re-implemented with
+the official parameter names so that checkpoints load through a name mapping
+that touches only the diffusion head:
+
+- ``class_emb`` (1000 classes) and ``fake_latent`` (the null condition of
+  classifier-free guidance); ``z_proj`` + ``z_proj_ln`` embed the tokens;
+- a buffer of ``buffer_size`` (64) positions in front of the grid, every one
+  holding the class embedding; learned position embeddings for buffer + grid;
+- the encoder (timm ViT blocks: LayerNorm eps 1e-6, fused qkv with bias, MLP
+  ratio 4, exact GELU) runs on the buffer and the known positions only, then
+  ``encoder_norm``;
+- ``decoder_embed``, ``mask_token`` at the unknown positions, decoder position
+  embedding, the decoder blocks, ``decoder_norm``; the buffer is dropped and
+  ``diffusion_pos_embed_learned`` added: that is the condition ``z`` of each
+  position's diffusion head;
+- the diffusion head (``models/diffloss.py``, ``SimpleMLPAdaLN``) is this
+  project's `backbones.diffusion_head.DiffusionHead`: 1000-step cosine
+  schedule, 100 respaced sampling steps, learned-range variance, no clipping,
+  no noise at the last step (`DiffusionHeadConfig.final_step_noise=False`).
+
+Released sizes (official ``mar_base/large/huge`` factories, and the diffusion
+head depth and width of the README's evaluation commands):
+
+=====  ==============================  ===========  ========================
+size   encoder = decoder (dim/depth/h)  diffloss d/w  README (cfg, FID-50K)
+=====  ==============================  ===========  ========================
+base   768 / 12 / 12                    6 / 1024     cfg 2.9, FID 2.31, 208M
+large  1024 / 16 / 16                   8 / 1280     cfg 3.0, FID 1.78, 479M
+huge   1280 / 20 / 16                   12 / 1536    cfg 3.2, FID 1.55, 943M
+=====  ==============================  ===========  ========================
+
+The README evaluates with ``--num_iter 256 --cfg_schedule linear
+--temperature 1.0`` (``--cfg 1.0 --temperature 0.95`` without guidance), under
+CUDA fp16 autocast; this adapter runs in the dtype it is given.
+
+One mapping is not a rename: the official time embedding feeds 256 sinusoidal
+frequencies (DiT's ``TimestepEmbedder``) to ``time_embed.mlp.0`` (width x 256),
+while `DenoisingMLP` embeds timesteps at ``width`` frequencies into a
+width x width layer. For ``width = r * 256`` the official frequencies are every
+r-th of the project's (cos half and sin half alike), so the official weight is
+scattered into those columns and the other columns are zero. For MAR-B
+(1024 = 4 * 256, r a power of two) the embedding the official columns read is
+bit-identical to the official one; for MAR-L and MAR-H (r = 5, 6) it differs by
+float32 rounding in the frequencies (at most 6.1e-5 over t < 1000). An exact
+match for every size needs a frequency count option in `DiffusionHeadConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backbones.base import ImageGeometry
+from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig
+
+README = "https://github.com/LTH14/mar#installation"
+HF_REPO = "jadechoghari/mar"
+CHECKPOINT_FILE = "checkpoint-last.pth"
+# The README's direct download links (Dropbox), one `checkpoint-last.pth` per size; LTH14/mar `util/download.py`
+# fetches the same files into pretrained_models/mar/mar_{size}/.
+_DROPBOX = "https://www.dropbox.com/scl/fi/"
+DOWNLOAD_LINKS = {
+    "base": _DROPBOX + "f6dpuyjb7fudzxcyhvrhk/checkpoint-last.pth?rlkey=a6i4bo71vhfo4anp33n9ukujb&dl=0",
+    "large": _DROPBOX + "pxacc5b2mrt3ifw4cah6k/checkpoint-last.pth?rlkey=m48ovo6g7ivcbosrbdaz0ehqt&dl=0",
+    "huge": _DROPBOX + "1qmfx6fpy3k7j9vcjjs3s/checkpoint-last.pth?rlkey=4lae281yzxb406atp32vzc83o&dl=0",
+}
+
+
+@dataclass(frozen=True)
+class MARConfig:
+    """Shape of a MAR model (official ``MAR.__init__`` arguments in comments)."""
+
+    encoder_dim: int = 768  # encoder_embed_dim
+    encoder_depth: int = 12
+    encoder_heads: int = 12
+    decoder_dim: int = 768  # decoder_embed_dim: also the diffusion head's condition size
+    decoder_depth: int = 12
+    decoder_heads: int = 12
+    mlp_ratio: float = 4.0
+    token_dim: int = 16  # vae_embed_dim * patch_size**2 (KL-16 VAE, patch_size 1)
+    grid_size: int = 16  # img_size // vae_stride // patch_size = 256 // 16 // 1
+    buffer_size: int = 64
+    num_classes: int = 1000  # class_num
+    diffloss_depth: int = 6  # diffloss_d
+    diffloss_width: int = 1024  # diffloss_w
+    sampling_steps: int = 100  # num_sampling_steps (diffusion steps per token)
+    time_frequencies: int = 256  # DiT TimestepEmbedder frequency_embedding_size (fixed in the official code)
+    name: str = "mar-base"
+
+    def __post_init__(self):
+        for key in ("encoder", "decoder"):
+            dim, heads = getattr(self, f"{key}_dim"), getattr(self, f"{key}_heads")
+            if dim % heads:
+                raise ValueError(f"{key}_dim {dim} is not divisible by {key}_heads {heads}")
+        if self.time_frequencies % 2 or self.diffloss_width % self.time_frequencies:
+            raise ValueError(
+                f"diffloss_width ({self.diffloss_width}) must be a multiple of the even time_frequencies "
+                f"({self.time_frequencies}): the official time embedding is mapped onto every r-th frequency"
+            )
+
+    @property
+    def seq_len(self) -> int:
+        return self.grid_size**2
+
+    def diffusion_config(self) -> DiffusionHeadConfig:
+        """The head as MAR samples it: 1000 cosine steps respaced to `sampling_steps`, last step noise-free."""
+        return DiffusionHeadConfig(
+            token_dim=self.token_dim,
+            condition_dim=self.decoder_dim,
+            width=self.diffloss_width,
+            depth=self.diffloss_depth,
+            training_steps=1000,
+            sampling_steps=self.sampling_steps,
+            final_step_noise=False,
+            clip_denoised=False,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Official mar_base / mar_large / mar_huge (encoder = decoder), with the diffusion head depth and width of the
+# README's evaluation commands (--diffloss_d / --diffloss_w; the argparse defaults, 12 / 1536, fit MAR-H only).
+MAR_SIZES: dict[str, dict] = {
+    "base": dict(
+        encoder_dim=768,
+        encoder_depth=12,
+        encoder_heads=12,
+        decoder_dim=768,
+        decoder_depth=12,
+        decoder_heads=12,
+        diffloss_depth=6,
+        diffloss_width=1024,
+        name="mar-base",
+    ),
+    "large": dict(
+        encoder_dim=1024,
+        encoder_depth=16,
+        encoder_heads=16,
+        decoder_dim=1024,
+        decoder_depth=16,
+        decoder_heads=16,
+        diffloss_depth=8,
+        diffloss_width=1280,
+        name="mar-large",
+    ),
+    "huge": dict(
+        encoder_dim=1280,
+        encoder_depth=20,
+        encoder_heads=16,
+        decoder_dim=1280,
+        decoder_depth=20,
+        decoder_heads=16,
+        diffloss_depth=12,
+        diffloss_width=1536,
+        name="mar-huge",
+    ),
+}
+# Test-sized: 4x4 grid, 4 buffer positions, 10 classes, a 10-step diffusion head.
+MAR_SIZES["tiny"] = {
+    "encoder_dim": 32,
+    "encoder_depth": 2,
+    "encoder_heads": 2,
+    "decoder_dim": 32,
+    "decoder_depth": 2,
+    "decoder_heads": 2,
+    "token_dim": 4,
+    "grid_size": 4,
+    "buffer_size": 4,
+    "num_classes": 10,
+    "diffloss_depth": 2,
+    "diffloss_width": 64,
+    "sampling_steps": 10,
+    "time_frequencies": 32,
+    "name": "mar-tiny-random",
+}
+
+
+def mar_config(size: str = "base", **overrides) -> MARConfig:
+    """The config of a released size ("base", "large", "huge") or "tiny", with `overrides` applied."""
+    if size not in MAR_SIZES:
+        raise ValueError(f"unknown MAR size {size!r}; choose from {sorted(MAR_SIZES)}")
+    return MARConfig(**{**MAR_SIZES[size], **overrides})
+
+
+def mask_lengths(seq_len: int, num_iter: int) -> list[int]:
+    """Positions still masked after each step of MAR's generation (0 after the last step).
+
+    LTH14/mar ``MAR.sample_tokens``: after step s, ``mask_len = floor(seq_len * cos(pi/2 * (s+1) / num_iter))``
+    clamped to ``[1, masked - 1]`` (each step reveals at least one position while two or more are masked, and
+    keeps one for the last step, which reveals all that are left). Computed in float64 with numpy as there.
+    """
+    return [0 if step == num_iter - 1 else length for step, length in enumerate(_schedule(seq_len, num_iter))]
+
+
+def _schedule(seq_len: int, num_iter: int) -> list[int]:
+    """The reference's ``mask_len`` of every step, as the linear CFG schedule reads it.
+
+    At the last step this is max(1, min(left - 1, 0)) = 1, not 0: the reference's last step guides with
+    ``1 + (cfg - 1) * (seq_len - 1) / seq_len``.
+    """
+    if num_iter < 1:
+        raise ValueError(f"num_iter must be >= 1, got {num_iter}")
+    masked, lengths = seq_len, []
+    for step in range(num_iter):
+        ratio = np.cos(math.pi / 2.0 * (step + 1) / num_iter)
+        length = max(1, min(masked - 1, int(np.floor(seq_len * ratio))))
+        lengths.append(length)
+        masked = length
+    return lengths
+
+
+class _Attention(nn.Module):
+    """timm ``Attention`` (qkv_bias=True, no qk norm), names ``qkv`` and ``proj``."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)  # bidirectional, scale head_dim**-0.5 as timm
+        return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Block(nn.Module):
+    """timm ``vision_transformer.Block`` at inference (dropouts, layer scale and drop path are identities)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = _Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = _Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+# Local (this project's DenoisingMLP, under "diffusion.net.") -> official (SimpleMLPAdaLN, under "diffloss.net.").
+_HEAD_RENAMES = [
+    (r"time_embed\.(\d+)\.", r"time_embed.mlp.\1."),
+    (r"condition_embed\.", "cond_embed."),
+    (r"input_proj\.", "input_proj."),
+    (r"blocks\.(\d+)\.norm\.", r"res_blocks.\1.in_ln."),
+    (r"blocks\.(\d+)\.mlp\.", r"res_blocks.\1.mlp."),
+    (r"blocks\.(\d+)\.modulation\.", r"res_blocks.\1.adaLN_modulation."),
+    (r"final_modulation\.", "final_layer.adaLN_modulation."),
+    (r"output\.", "final_layer.linear."),
+]
+_LOCAL_HEAD, _OFFICIAL_HEAD = "diffusion.net.", "diffloss.net."
+_TIME_WEIGHT = "diffusion.net.time_embed.0.weight"
+
+
+def official_name(local: str) -> str:
+    """The official LTH14/mar state-dict name of a `MARBackbone` parameter (only the diffusion head's differ)."""
+    if not local.startswith(_LOCAL_HEAD):
+        return local
+    rest = local.removeprefix(_LOCAL_HEAD)
+    for pattern, replacement in _HEAD_RENAMES:
+        renamed, count = re.subn(f"^{pattern}", replacement, rest)
+        if count:
+            return _OFFICIAL_HEAD + renamed
+    raise KeyError(f"no official name for diffusion head parameter {local!r}")
+
+
+class MARBackbone(nn.Module):
+    """A frozen MAR generator: the official modules and names, this project's diffusion head.
+
+    ``sample`` reproduces LTH14/mar ``MAR.sample_tokens`` with the generation orders and every token's
+    trajectory noise passed in; ``predict_conditions`` is one encoder-decoder pass for a verifier.
+    Tokens are (B, seq_len, token_dim), token i at grid cell (i // grid_size, i % grid_size) (the official
+    ``patchify`` with patch_size 1).
+    """
+
+    token_kind = "continuous"
+
+    def __init__(self, config: MARConfig):
+        super().__init__()
+        self.config = c = config
+        self.name = c.name
+        self.geometry = ImageGeometry(rows=c.grid_size, cols=c.grid_size, end_of_line=False)
+        self.seq_len, self.token_dim, self.hidden_size = c.seq_len, c.token_dim, c.decoder_dim
+        self.num_classes, self.buffer_size = c.num_classes, c.buffer_size
+        positions = c.buffer_size + c.seq_len
+
+        self.class_emb = nn.Embedding(c.num_classes, c.encoder_dim)
+        self.fake_latent = nn.Parameter(torch.zeros(1, c.encoder_dim))
+        self.z_proj = nn.Linear(c.token_dim, c.encoder_dim)
+        self.z_proj_ln = nn.LayerNorm(c.encoder_dim, eps=1e-6)
+        self.encoder_pos_embed_learned = nn.Parameter(torch.zeros(1, positions, c.encoder_dim))
+        self.encoder_blocks = nn.ModuleList(
+            _Block(c.encoder_dim, c.encoder_heads, c.mlp_ratio) for _ in range(c.encoder_depth)
+        )
+        self.encoder_norm = nn.LayerNorm(c.encoder_dim, eps=1e-6)
+        self.decoder_embed = nn.Linear(c.encoder_dim, c.decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_dim))
+        self.decoder_pos_embed_learned = nn.Parameter(torch.zeros(1, positions, c.decoder_dim))
+        self.decoder_blocks = nn.ModuleList(
+            _Block(c.decoder_dim, c.decoder_heads, c.mlp_ratio) for _ in range(c.decoder_depth)
+        )
+        self.decoder_norm = nn.LayerNorm(c.decoder_dim, eps=1e-6)
+        self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, c.seq_len, c.decoder_dim))
+        self.diffusion = DiffusionHead(c.diffusion_config())
+        self._zero_unused_frequencies()
+
+    # ---- official weights ------------------------------------------------------------------
+
+    def _frequency_columns(self, device=None) -> torch.Tensor:
+        """Columns of the width-frequency embedding that carry the official 256 (cos half, then sin half)."""
+        width, freqs = self.config.diffloss_width, self.config.time_frequencies
+        every = width // freqs  # frequency k of the official embedding is frequency every*k of ours
+        cos = torch.arange(freqs // 2, device=device) * every
+        return torch.cat([cos, width // 2 + cos])
+
+    def _zero_unused_frequencies(self) -> None:
+        weight = self.diffusion.net.time_embed[0].weight
+        keep = torch.zeros(weight.shape[1], dtype=torch.bool, device=weight.device)
+        keep[self._frequency_columns(weight.device)] = True
+        with torch.no_grad():
+            weight[:, ~keep] = 0
+
+    def official_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under their LTH14/mar names and shapes (what ``MAR.state_dict()`` holds)."""
+        out = {}
+        for local, value in self.state_dict().items():
+            if local == _TIME_WEIGHT:
+                value = value[:, self._frequency_columns(value.device)]
+            out[official_name(local)] = value.detach().clone()
+        return out
+
+    def load_official_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an official state dict (``checkpoint["model_ema"]`` of LTH14/mar) strictly.
+
+        Every official key must be present, none other, each of the official shape; the first offending
+        key is named in the ValueError. Values are cast to this module's dtype.
+        """
+        own = self.state_dict()
+        expected = {official_name(local): local for local in own}
+        shapes = {name: tuple(value.shape) for name, value in self.official_state_dict().items()}
+        for name, value in state.items():
+            if name not in expected:
+                raise ValueError(f"unexpected key {name!r} in the MAR state dict (not a parameter of {self.name})")
+            if tuple(value.shape) != shapes[name]:
+                raise ValueError(
+                    f"MAR state dict key {name!r} has shape {tuple(value.shape)}, {self.name} expects {shapes[name]}"
+                )
+        missing = [name for name in expected if name not in state]
+        if missing:
+            raise ValueError(f"MAR state dict lacks {missing[0]!r} ({len(missing)} keys missing)")
+        local = {}
+        for name, value in state.items():
+            target = own[expected[name]]
+            if expected[name] == _TIME_WEIGHT:
+                scattered = torch.zeros_like(target)
+                scattered[:, self._frequency_columns(target.device)] = value.to(target)
+                value = scattered
+            local[expected[name]] = value.to(device=target.device, dtype=target.dtype)
+        self.load_state_dict(local, strict=True)
+
+    # ---- the encoder-decoder ----------------------------------------------------------------
+
+    def _conditions(self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor) -> torch.Tensor:
+        """MAR's ``forward_mae_encoder`` + ``forward_mae_decoder``: z (rows, seq_len, decoder_dim).
+
+        Rows that know the same number of tokens run as one packed batch (the reference drops the unknown
+        positions with a reshape that needs equal counts); rows with other counts run in their own batches.
+        """
+        rows = tokens.shape[0]
+        counts = known.sum(1)
+        out = tokens.new_empty(rows, self.seq_len, self.hidden_size)
+        for count in counts.unique().tolist():
+            idx = (counts == count).nonzero().squeeze(1)
+            out[idx] = self._packed_conditions(tokens[idx], known[idx], class_embedding[idx])
+        return out
+
+    def _packed_conditions(self, tokens, known, class_embedding) -> torch.Tensor:
+        rows, buffer = tokens.shape[0], self.buffer_size
+        x = self.z_proj(tokens)
+        x = torch.cat([class_embedding[:, None].expand(rows, buffer, -1).to(x.dtype), x], dim=1)
+        x = self.z_proj_ln(x + self.encoder_pos_embed_learned)
+        keep = torch.cat([known.new_ones(rows, buffer), known], dim=1)  # the buffer is always visible
+        x = x[keep].view(rows, -1, x.shape[-1])  # row-major: each row's kept positions in ascending order
+        for block in self.encoder_blocks:
+            x = block(x)
+        x = self.decoder_embed(self.encoder_norm(x))
+        padded = self.mask_token.to(x.dtype).expand(rows, keep.shape[1], -1).clone()
+        padded[keep] = x.flatten(0, 1)
+        x = padded + self.decoder_pos_embed_learned
+        for block in self.decoder_blocks:
+            x = block(x)
+        return self.decoder_norm(x)[:, buffer:] + self.diffusion_pos_embed_learned
+
+    def _class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
+        if class_ids.dim() != 1:
+            raise ValueError(f"class_ids must be (B,), got shape {tuple(class_ids.shape)}")
+        if len(class_ids) and not (0 <= int(class_ids.min()) and int(class_ids.max()) < self.num_classes):
+            raise ValueError(f"class ids must lie in [0, {self.num_classes})")
+        embedding = self.class_emb(class_ids)
+        if guided:  # [cond; uncond]: the null condition is the learned fake latent
+            embedding = torch.cat([embedding, self.fake_latent.expand(len(class_ids), -1).to(embedding.dtype)])
+        return embedding
+
+    @torch.no_grad()
+    def predict_conditions(
+        self, tokens: torch.Tensor, known_mask: torch.Tensor, class_ids: torch.Tensor, guided: bool
+    ) -> torch.Tensor:
+        """The diffusion head's condition z of every position given the known tokens: (rows, seq_len, dim).
+
+        tokens (B, seq_len, token_dim), values read only where ``known_mask`` (B, seq_len) is True; the
+        encoder sees the buffer and the known positions, the decoder all (LTH14/mar ``forward_mae_encoder``,
+        ``forward_mae_decoder``). rows = 2B as [cond; uncond] when `guided`, else B. Rows may know different
+        numbers of tokens; each row's result does not depend on the others.
+        """
+        batch = tokens.shape[0]
+        if tokens.shape[1:] != (self.seq_len, self.token_dim) or known_mask.shape != (batch, self.seq_len):
+            raise ValueError(
+                f"tokens must be (B, {self.seq_len}, {self.token_dim}) and known_mask (B, {self.seq_len}); "
+                f"got {tuple(tokens.shape)} and {tuple(known_mask.shape)}"
+            )
+        known = known_mask.bool()
+        class_embedding = self._class_embedding(class_ids, guided)
+        if guided:
+            tokens, known = torch.cat([tokens, tokens]), torch.cat([known, known])
+        return self._conditions(tokens.to(self.z_proj.weight.dtype), known, class_embedding)
+
+    # ---- sampling ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(
+        self,
+        class_ids: torch.Tensor,
+        num_iter: int = 64,
+        cfg_scale: float = 1.0,
+        cfg_schedule: str = "linear",
+        temperature: float = 1.0,
+        orders: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """MAR's masked random-order generation (LTH14/mar ``MAR.sample_tokens``): tokens (B, seq_len, token_dim).
+
+        Step s runs the encoder-decoder on the tokens known so far, keeps the first ``mask_len`` positions
+        of each row's order masked (`mask_lengths`, MaskGIT's cosine schedule) and samples the positions
+        ``orders[:, mask_len:masked]`` with the diffusion head (the last step: all that remain). Guidance
+        (``cfg_scale != 1``) runs [class; fake latent] twins and mixes the head's noise predictions with
+        ``1 + (cfg - 1) * (seq_len - mask_len) / seq_len`` ("linear", after Muse) or ``cfg`` ("constant").
+
+        `orders` (B, seq_len): one permutation of the positions per row (the reference shuffles with numpy);
+        `noise` (B, seq_len, noise_steps, token_dim): the trajectory noise of the token at each position
+        (``noise[:, i, 0]`` its x_T). Whichever is missing is drawn from `generator`. Since a token's noise
+        is fixed by its position, not by the step that reveals it, two models given the same `noise` follow
+        aligned trajectories (CSpD). Rows are independent of each other.
+        """
+        batch, device = len(class_ids), self.z_proj.weight.device
+        if cfg_schedule not in ("linear", "constant"):
+            raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
+        orders = self._check_orders(orders, batch, generator, device)
+        noise = self._check_noise(noise, batch, generator, device)
+        guided = cfg_scale != 1.0  # as the reference: guidance twins only when the scale is not exactly 1
+        class_embedding = self._class_embedding(class_ids.to(device), guided)
+        dtype = self.z_proj.weight.dtype
+        tokens = torch.zeros(batch, self.seq_len, self.token_dim, device=device, dtype=dtype)
+        known = torch.zeros(batch, self.seq_len, dtype=torch.bool, device=device)
+        lengths, masked = _schedule(self.seq_len, num_iter), self.seq_len
+        for step, mask_len in enumerate(lengths):
+            reveal_from = 0 if step == num_iter - 1 else mask_len
+            positions = orders[:, reveal_from:masked]  # (B, n): the same count in every row
+            masked = reveal_from
+            if positions.shape[1] == 0:  # (with num_iter > seq_len some steps reveal nothing)
+                continue
+            twins = torch.cat([tokens, tokens]) if guided else tokens
+            z = self._conditions(twins, torch.cat([known, known]) if guided else known, class_embedding)
+            z = z.gather(1, positions.repeat(2 if guided else 1, 1)[..., None].expand(-1, -1, z.shape[-1]))
+            if guided:
+                cond, uncond = z.chunk(2)
+                z = torch.cat([cond.flatten(0, 1), uncond.flatten(0, 1)])
+            else:
+                z = z.flatten(0, 1)
+            scale = cfg_scale
+            if cfg_schedule == "linear":
+                scale = 1 + (cfg_scale - 1) * (self.seq_len - mask_len) / self.seq_len
+            picked = noise[torch.arange(batch, device=device)[:, None], positions]  # (B, n, noise_steps, D)
+            drawn = self.diffusion.sample(z, picked.flatten(0, 1), scale, temperature, guided=guided)
+            tokens = tokens.scatter(
+                1, positions[..., None].expand(-1, -1, self.token_dim), drawn.tokens.view(batch, -1, self.token_dim)
+            )
+            known = known.scatter(1, positions, True)
+        return tokens
+
+    def _check_orders(self, orders, batch, generator, device) -> torch.Tensor:
+        if orders is None:
+            return torch.stack([torch.randperm(self.seq_len, generator=generator) for _ in range(batch)]).to(device)
+        orders = orders.to(device=device, dtype=torch.long)
+        identity = torch.arange(self.seq_len, device=device).expand(batch, -1)
+        if orders.shape != (batch, self.seq_len) or not torch.equal(orders.sort(1).values, identity):
+            raise ValueError(
+                f"orders must be (B={batch}, {self.seq_len}) with one permutation of the positions per row"
+            )
+        return orders
+
+    def _check_noise(self, noise, batch, generator, device) -> torch.Tensor:
+        shape = (batch, self.seq_len, self.diffusion.noise_steps, self.token_dim)
+        if noise is None:
+            return torch.randn(shape, generator=generator).to(device)
+        if tuple(noise.shape) != shape:
+            raise ValueError(f"noise must be {shape} (B, seq_len, noise_steps, token_dim), got {tuple(noise.shape)}")
+        return noise.to(device)
+
+    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Not available: MAR decodes tokens with the KL-16 VAE, a separate download this adapter lacks.
+
+        The VAE is LTH14/mar ``models/vae.py`` ``AutoencoderKL(embed_dim=16, ch_mult=(1, 1, 2, 2, 4))`` with
+        weights ``kl16.ckpt`` (``util/download.py``) or ``kl16.safetensors`` on Hugging Face (jadechoghari/mar).
+        """
+        raise NotImplementedError(
+            "MARBackbone has no pixel decoder: MAR's tokens are KL-16 VAE latents (LTH14/mar models/vae.py, "
+            f"kl16.ckpt from util/download.py or kl16.safetensors from {HF_REPO}), not included here"
+        )
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def _read_state_dict(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
+    """The official state dict in `path`: ``model_ema`` (falling back to ``model``) of a checkpoint-last.pth,
+    or a bare state dict (.pth or .safetensors)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path, device="cpu")
+        except Exception as error:  # safetensors raises its own error types for truncated or foreign files
+            raise _damaged(path, error) from error
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as error:
+        if not trust_pickle and "Weights only load failed" in str(error):
+            raise RuntimeError(
+                f"{path} holds more than tensors and cannot be read with weights_only=True; "
+                "if you trust the file, pass trust_pickle=true"
+            ) from error
+        raise _damaged(path, error) from error
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        raise _damaged(path, error) from error
+    # main_mar.py saves {"model", "model_ema", "optimizer", "epoch", "scaler", "args"}; the demo loads "model_ema".
+    for key in ("model_ema", "model"):
+        if isinstance(checkpoint.get(key), dict):
+            return checkpoint[key]
+    if all(isinstance(value, torch.Tensor) for value in checkpoint.values()):
+        return checkpoint
+    raise KeyError(f"{path}: neither 'model_ema' nor 'model' in the checkpoint (keys: {sorted(checkpoint)[:8]})")
+
+
+def _damaged(path: Path, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"{path} is damaged or not a MAR checkpoint ({type(error).__name__}: {str(error).splitlines()[0]}); "
+        f"download it again ({README})"
+    )
+
+
+def _download_advice(size: str) -> str:
+    link = DOWNLOAD_LINKS.get(size, README)
+    return (
+        f"get MAR-{size[0].upper()} from the LTH14/mar README ({README}): {CHECKPOINT_FILE} at\n"
+        f"  {link}\n"
+        f"(or `python util/download.py` in a clone of LTH14/mar: pretrained_models/mar/mar_{size}/{CHECKPOINT_FILE})\n"
+        f"or the Hugging Face mirror's safetensors with\n"
+        f"  huggingface-cli download {HF_REPO} mar-{size}.safetensors --local-dir <dir>\n"
+        "and pass the file or its directory"
+    )
+
+
+def load_mar_backbone(
+    path: str | Path, size: str = "base", device: str = "cpu", dtype: str = "float32", trust_pickle: bool = False
+) -> MARBackbone:
+    """Hydra entry point: a frozen MAR from its official weights (Li et al. 2024; LTH14/mar).
+
+    `path` is a file or a directory holding ``checkpoint-last.pth`` (the README's download, read with
+    ``torch.load(weights_only=True)``: ``model_ema`` as the official evaluation and demo use, ``model`` if
+    there is no EMA) or ``mar-{size}.safetensors`` (the Hugging Face mirror jadechoghari/mar, a bare state
+    dict converted by a third party). `trust_pickle=True` allows arbitrary pickled objects (only for files
+    from a source you trust). Raises FileNotFoundError with the download links when nothing is there.
+    """
+    if size not in MAR_SIZES:  # ("tiny" too: tests save official-layout tiny checkpoints)
+        raise ValueError(f"unknown MAR size {size!r}; choose from {sorted(MAR_SIZES)}")
+    path = Path(path)
+    if path.is_dir():
+        candidates = [path / CHECKPOINT_FILE, path / f"mar-{size}.safetensors"]
+        path = next((p for p in candidates if p.is_file()), candidates[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"no MAR checkpoint at {path}: {_download_advice(size)}")
+    backbone = MARBackbone(mar_config(size))
+    try:
+        backbone.load_official_state_dict(_read_state_dict(path, trust_pickle))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error} (is it a MAR-{size[0].upper()} checkpoint?)") from error
+    return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+
+
+def random_mar_backbone(seed: int = 0, device: str = "cpu", size: str = "tiny", **overrides) -> MARBackbone:
+    """A MAR backbone with seeded random weights (tiny by default; for tests).
+
+    The official init zeroes the diffusion head's modulations and output (every token would be the mean
+    of the schedule); random weights test more. Norm weights are centred on 1.
+    """
+    torch.manual_seed(seed)
+    backbone = MARBackbone(mar_config(size, **overrides))
+    with torch.no_grad():
+        for name, parameter in backbone.named_parameters():
+            nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
+            if name.endswith("weight") and ("norm" in name or "_ln" in name):
+                parameter.add_(1.0)
+    backbone._zero_unused_frequencies()
+    return backbone.to(device).eval().requires_grad_(False)
+
+
+__all__ = [
+    "MAR_SIZES",
+    "MARBackbone",
+    "MARConfig",
+    "load_mar_backbone",
+    "mar_config",
+    "mask_lengths",
+    "official_name",
+    "random_mar_backbone",
+]
