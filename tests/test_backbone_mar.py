@@ -96,6 +96,11 @@ def test_official_state_dict_round_trips(mar):
     back = other.official_state_dict()
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     assert all(torch.equal(v, mar.state_dict()[k]) for k, v in other.state_dict().items())
+    # Weight on a frequency the official embedding lacks has no official layout: refused, not dropped.
+    with torch.no_grad():
+        other.diffusion.net.time_embed[0].weight[:, 1] = 1.0  # column 1: not an official frequency (every 2nd)
+    with pytest.raises(ValueError, match="outside the official 32 frequencies"):
+        other.official_state_dict()
 
 
 def test_time_embedding_maps_onto_every_rth_frequency(mar):
