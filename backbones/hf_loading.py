@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -47,3 +48,32 @@ def positional_arguments(rows: int, slots: torch.Tensor, visible: torch.Tensor) 
         "position_ids": slots[None].expand(rows, -1),
         "attention_mask": visible[None, None].expand(rows, 1, -1, -1),
     }
+
+
+def load_torch_checkpoint(path: Path, trust_pickle: bool, what: str, redownload: str) -> dict:
+    """A .pth/.pt file's contents, read with ``weights_only=True`` unless `trust_pickle` (LlamaGen, MAR).
+
+    Only the weights-only loader's own refusal (the file pickles more than
+    tensors) suggests `trust_pickle`; any other failure means the file is
+    damaged (a truncated download) or not `what`, which no unsafe loading would
+    fix: `damaged_checkpoint` says so and how to download it again.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as error:
+        if not trust_pickle and "Weights only load failed" in str(error):
+            raise RuntimeError(
+                f"{path} holds more than tensors and cannot be read with weights_only=True; "
+                "if you trust the file, pass trust_pickle=true"
+            ) from error
+        raise damaged_checkpoint(path, error, what, redownload) from error
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        raise damaged_checkpoint(path, error, what, redownload) from error
+
+
+def damaged_checkpoint(path: Path, error: Exception, what: str, redownload: str) -> RuntimeError:
+    """The error for a file that is truncated or not `what`; `redownload` ends it (where to get it again)."""
+    return RuntimeError(
+        f"{path} is damaged or not {what} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+        f"download it again {redownload}"
+    )

@@ -32,7 +32,6 @@ codebook latents and decodes tokens to pixels with its own VQ-16 decoder
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.hf_loading import load_torch_checkpoint
 from backbones.kv_cache import PreallocatedLayer
 
 RELEASES = "https://huggingface.co/FoundationVision/LlamaGen"
@@ -512,31 +512,8 @@ def read_vq_codebook(path: str | Path) -> torch.Tensor:
 
 
 def _load_checkpoint(path: Path, trust_pickle: bool = False) -> dict:
-    """The checkpoint's contents, read with ``weights_only=True`` unless `trust_pickle`.
-
-    Only the weights-only loader's own refusal (the file pickles more than
-    tensors) suggests `trust_pickle`; any other failure means the file is
-    damaged (a truncated download) or not a PyTorch checkpoint, which no
-    unsafe loading would fix.
-    """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except pickle.UnpicklingError as error:
-        if not trust_pickle and "Weights only load failed" in str(error):
-            raise RuntimeError(
-                f"{path} holds more than tensors and cannot be read with weights_only=True; "
-                "if you trust the file, pass trust_pickle=true"
-            ) from error
-        raise _damaged(path, error) from error
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise _damaged(path, error) from error
-
-
-def _damaged(path: Path, error: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"{path} is damaged or not a PyTorch checkpoint ({type(error).__name__}: {str(error).splitlines()[0]}); "
-        f"download it again from {RELEASES}"
-    )
+    """The checkpoint's contents (backbones/hf_loading.py `load_torch_checkpoint`)."""
+    return load_torch_checkpoint(path, trust_pickle, "a PyTorch checkpoint", f"from {RELEASES}")
 
 
 def _unwrap(checkpoint: dict) -> dict:

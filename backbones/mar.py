@@ -64,7 +64,6 @@ rounding shows: 5e-4 relative, on random weights whose untrained head amplifies 
 from __future__ import annotations
 
 import math
-import pickle
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,6 +75,7 @@ from torch import nn
 
 from backbones.base import ImageGeometry
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig
+from backbones.hf_loading import damaged_checkpoint, load_torch_checkpoint
 
 README = "https://github.com/LTH14/mar#installation"
 HF_REPO = "jadechoghari/mar"
@@ -583,18 +583,8 @@ def _read_state_dict(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
         try:
             return load_file(path, device="cpu")
         except Exception as error:  # safetensors raises its own error types for truncated or foreign files
-            raise _damaged(path, error) from error
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except pickle.UnpicklingError as error:
-        if not trust_pickle and "Weights only load failed" in str(error):
-            raise RuntimeError(
-                f"{path} holds more than tensors and cannot be read with weights_only=True; "
-                "if you trust the file, pass trust_pickle=true"
-            ) from error
-        raise _damaged(path, error) from error
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise _damaged(path, error) from error
+            raise damaged_checkpoint(path, error, "a MAR checkpoint", f"({README})") from error
+    checkpoint = load_torch_checkpoint(path, trust_pickle, "a MAR checkpoint", f"({README})")
     # main_mar.py saves {"model", "model_ema", "optimizer", "epoch", "scaler", "args"}; the demo loads "model_ema".
     for key in ("model_ema", "model"):
         if isinstance(checkpoint.get(key), dict):
@@ -602,13 +592,6 @@ def _read_state_dict(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
     if all(isinstance(value, torch.Tensor) for value in checkpoint.values()):
         return checkpoint
     raise KeyError(f"{path}: neither 'model_ema' nor 'model' in the checkpoint (keys: {sorted(checkpoint)[:8]})")
-
-
-def _damaged(path: Path, error: Exception) -> RuntimeError:
-    return RuntimeError(
-        f"{path} is damaged or not a MAR checkpoint ({type(error).__name__}: {str(error).splitlines()[0]}); "
-        f"download it again ({README})"
-    )
 
 
 def _download_advice(size: str) -> str:
