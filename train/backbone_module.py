@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from backbones.digits import DigitsBackbone, DigitsBackboneConfig
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 class DigitsBackboneTraining(pl.LightningModule):
@@ -65,9 +65,7 @@ class DigitsBackboneTraining(pl.LightningModule):
         return self.model.tokens_to_pixels(result.tokens), {}
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.model.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.model.parameters())
 
     def export(self, directory: str | Path) -> Path:
         """Save the trained backbone (config.json + model.safetensors)."""

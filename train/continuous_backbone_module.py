@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 
 from backbones.digits_continuous import ContinuousDigitsBackbone, ContinuousDigitsConfig
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 def diffusion_training_loss(model: ContinuousDigitsBackbone, batch, class_dropout: float, repeats: int) -> torch.Tensor:
@@ -76,9 +76,7 @@ class ContinuousDigitsBackboneTraining(pl.LightningModule):
         return self.model.tokens_to_pixels(result.tokens), {}
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.model.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.model.parameters())
 
     def export(self, directory: str | Path) -> Path:
         """Save the trained backbone (config.json + model.safetensors)."""

@@ -21,7 +21,7 @@ from backbones.continuous import ContinuousARBackbone
 from heads.cspd import CSpDDrafter, CSpDDrafterConfig
 from heads.export import export_heads
 from train.continuous_backbone_module import diffusion_training_loss, diffusion_validation_loss
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 class CSpDDrafterTraining(pl.LightningModule):
@@ -75,9 +75,7 @@ class CSpDDrafterTraining(pl.LightningModule):
         return self.backbone.tokens_to_pixels(result.tokens), figures
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.drafter.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.drafter.parameters())
 
     def export(self, directory: str | Path) -> Path:
         """heads.safetensors + heads.json (kind cspd), checked against this backbone when loaded."""

@@ -22,7 +22,7 @@ from backbones.continuous import ContinuousARBackbone
 from heads.cspd import ContinuousRowHeads
 from heads.export import export_heads
 from heads.ssd import SSDHeadConfig
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 class ContinuousRowHeadTraining(pl.LightningModule):
@@ -98,9 +98,7 @@ class ContinuousRowHeadTraining(pl.LightningModule):
         return self.backbone.tokens_to_pixels(result.tokens), figures
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.heads.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.heads.parameters())
 
     def export(self, directory: str | Path) -> Path:
         """heads.safetensors + heads.json (kind cspd_rows), checked against this backbone when loaded."""

@@ -33,7 +33,7 @@ from torch import nn
 from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
 from data.corpus import batch_condition, grouped_teacher_forced_hidden
 from heads.export import export_heads
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 class HeadDistillation(pl.LightningModule):
@@ -194,9 +194,7 @@ class HeadDistillation(pl.LightningModule):
     # ---- optimisation and export ------------------------------------------------------------
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.heads.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.heads.parameters())
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The frozen backbone is loaded from its own weights; checkpoints hold what training changes.

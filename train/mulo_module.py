@@ -22,7 +22,7 @@ from data.corpus import batch_condition
 from decode.mulo_resampling import downsample_to_drafter, resampling_latents
 from heads.export import export_heads
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
-from train.schedules import warmup_cosine
+from train.schedules import warmup_cosine_optimizers
 
 
 class MuLoDistillation(pl.LightningModule):
@@ -155,9 +155,7 @@ class MuLoDistillation(pl.LightningModule):
         return images, {"forward_passes_per_image": float(result.forward_passes)}
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.drafter.parameters())
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, int(self.trainer.estimated_stepping_batches))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine_optimizers(self, self.drafter.parameters())
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("backbone.")}

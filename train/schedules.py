@@ -20,3 +20,11 @@ def warmup_cosine(
         return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_cosine_optimizers(module, parameters) -> dict:
+    """`configure_optimizers` of the project's modules: ``module.optimizer_factory`` over `parameters`, stepped
+    by `warmup_cosine` over the run's ``module.warmup_steps`` and estimated optimizer steps."""
+    optimizer = module.optimizer_factory(params=parameters)
+    scheduler = warmup_cosine(optimizer, module.warmup_steps, int(module.trainer.estimated_stepping_batches))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
