@@ -68,10 +68,15 @@ class CSpDConfig:
     def __post_init__(self):
         if self.gamma < 1:
             raise ValueError(f"cspd gamma must be >= 1, got {self.gamma}")
-        if not 0 <= self.prefill_fraction < 1:
-            raise ValueError(f"cspd prefill_fraction must be in [0, 1), got {self.prefill_fraction}")
-        if not (math.isfinite(self.tau) and self.tau >= 1):
-            raise ValueError(f"cspd tau must be a finite number >= 1 (1 is exact), got {self.tau}")
+        check_verification(self.prefill_fraction, self.tau, "cspd")
+
+
+def check_verification(prefill_fraction: float, tau: float, method: str) -> None:
+    """The settings of `speculate` every CSpD drafter shares: a pre-fill fraction in [0, 1), tau finite and >= 1."""
+    if not 0 <= prefill_fraction < 1:
+        raise ValueError(f"{method} prefill_fraction must be in [0, 1), got {prefill_fraction}")
+    if not (math.isfinite(tau) and tau >= 1):
+        raise ValueError(f"{method} tau must be a finite number >= 1 (1 is exact), got {tau}")
 
 
 @dataclass

@@ -25,14 +25,13 @@ compares with the backbone's own, whatever state it was conditioned on.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
-from decode.cspd import DraftRound, Speculation, speculate
+from decode.cspd import DraftRound, Speculation, check_verification, speculate
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
@@ -46,10 +45,7 @@ class CSpDRowsConfig:
     tau: float = 1.0  # 1: exact (see CSpDConfig)
 
     def __post_init__(self):
-        if not 0 <= self.prefill_fraction < 1:
-            raise ValueError(f"cspd_rows prefill_fraction must be in [0, 1), got {self.prefill_fraction}")
-        if not (math.isfinite(self.tau) and self.tau >= 1):
-            raise ValueError(f"cspd_rows tau must be a finite number >= 1 (1 is exact), got {self.tau}")
+        check_verification(self.prefill_fraction, self.tau, "cspd_rows")
 
 
 @torch.inference_mode()

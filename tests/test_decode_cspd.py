@@ -205,15 +205,11 @@ def continuous_classifier_cache(tmp_path_factory):
     return directory
 
 
-def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
-    from conftest import compose_config
-
-    from heads.export import load_heads
-    from train.pipeline import run_training
-
-    export = tmp_path / "export"
-    tiny = [
-        "+experiment=cspd_digits",
+def tiny_continuous_experiment(experiment: str, export, tmp_path, checkpoints_dir) -> list[str]:
+    """Overrides that run a continuous experiment end to end in seconds: tiny backbone and data, 3 steps, a
+    sample grid at step 2, a 2-image evaluation scored by the 8x8 classifier in `checkpoints_dir`."""
+    return [
+        f"+experiment={experiment}",
         "backbone=digits_continuous_tiny",
         "data=digits_continuous_tiny",
         "trainer=debug",
@@ -223,9 +219,19 @@ def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classif
         "callbacks.samples.num_images=2",
         f"export.dir={export}",
         f"paths.root_dir={tmp_path}",
-        f"paths.checkpoints_dir={continuous_classifier_cache}",
+        f"paths.checkpoints_dir={checkpoints_dir}",
         "train.evaluate.num_images=2",
     ]
+
+
+def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
+    from conftest import compose_config
+
+    from heads.export import load_heads
+    from train.pipeline import run_training
+
+    export = tmp_path / "export"
+    tiny = tiny_continuous_experiment("cspd_digits", export, tmp_path, continuous_classifier_cache)
     metrics = run_training(compose_config(tiny, tmp_path / "run"))
     assert metrics["train/diffusion_loss"] > 0
     drafter = load_heads(export, kind="cspd")
@@ -332,21 +338,8 @@ def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_cl
     from train.pipeline import run_training
 
     export = tmp_path / "export"
-    tiny = [
-        "+experiment=cspd_rows_digits",
-        "backbone=digits_continuous_tiny",
-        "data=digits_continuous_tiny",
-        "trainer=debug",
-        "trainer.max_steps=3",
-        "trainer.limit_val_batches=1",
-        "module.head.width=16",
-        "callbacks.samples.every_n_steps=2",
-        "callbacks.samples.num_images=2",
-        f"export.dir={export}",
-        f"paths.root_dir={tmp_path}",
-        f"paths.checkpoints_dir={continuous_classifier_cache}",
-        "train.evaluate.num_images=2",
-    ]
+    tiny = tiny_continuous_experiment("cspd_rows_digits", export, tmp_path, continuous_classifier_cache)
+    tiny.append("module.head.width=16")
     metrics = run_training(compose_config(tiny, tmp_path / "run"))
     assert metrics["train/latent_loss"] > 0 and metrics["train/diffusion_loss"] > 0
     heads = load_heads(export, kind="cspd_rows")
