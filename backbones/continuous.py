@@ -32,6 +32,18 @@ from backbones.diffusion_head import DiffusionHead, DiffusionSample
 from backbones.kv_cache import preallocated_cache
 
 
+def continuous_identity(model) -> dict:
+    """The identity every continuous-token model records (name, sizes, geometry, weights fingerprint)."""
+    return {
+        "name": model.name,
+        "family": type(model).__name__,
+        "hidden_size": model.hidden_size,
+        "token_dim": model.token_dim,
+        "geometry": model.geometry.to_dict(),
+        "weights_fingerprint": model.weights_fingerprint(),
+    }
+
+
 class ContinuousARBackbone(nn.Module, ABC):
     """A frozen causal continuous-token image generator behind a small, family-agnostic API."""
 
@@ -118,12 +130,7 @@ class ContinuousARBackbone(nn.Module, ABC):
         else:
             z = z.flatten(0, 1)
         drawn = self.diffusion.sample(z, noise.flatten(0, 1), cfg_scale, temperature, guided=state.guided)
-        return DiffusionSample(
-            *(
-                getattr(drawn, name).view(batch, count, -1)
-                for name in ("tokens", "final_mean", "final_std", "log_std_sum")
-            )
-        )
+        return drawn.map(lambda value: value.view(batch, count, -1))
 
     def draw_noise(
         self, batch: int, count: int, generator: torch.Generator | None, device: torch.device | None = None
@@ -135,14 +142,7 @@ class ContinuousARBackbone(nn.Module, ABC):
 
     def identity(self) -> dict:
         """What exported drafters record and check: name, sizes, geometry and a weights fingerprint."""
-        return {
-            "name": self.name,
-            "family": type(self).__name__,
-            "hidden_size": self.hidden_size,
-            "token_dim": self.token_dim,
-            "geometry": self.geometry.to_dict(),
-            "weights_fingerprint": self.weights_fingerprint(),
-        }
+        return continuous_identity(self)
 
     def weights_fingerprint(self) -> str:
         """A short hash of the diffusion head's response to a fixed probe."""

@@ -33,7 +33,7 @@ makes a token given its trajectory exactly Gaussian and CSpD exactly lossless.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
@@ -56,8 +56,13 @@ class DiffusionHeadConfig:
     # pixels). MAR's latents are unbounded and it does not clip. The first reverse step divides the network's error
     # by sqrt(alpha_bar_T) ~ 5e-5: unclipped, a head not trained to ~1e-4 there throws samples to |x| ~ 100.
     clip_denoised: bool = False
+    # Sinusoidal frequencies of the timestep embedding fed to the time MLP (None: `width`). MAR's released heads
+    # take 256 (DiT's TimestepEmbedder) at every width.
+    time_frequencies: int | None = None
 
     def __post_init__(self):
+        if self.time_frequencies is not None and (self.time_frequencies < 2 or self.time_frequencies % 2):
+            raise ValueError(f"diffusion head time_frequencies must be even and >= 2, got {self.time_frequencies}")
         for key in ("token_dim", "condition_dim", "width", "depth", "training_steps", "sampling_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"diffusion head {key} must be >= 1, got {getattr(self, key)}")
@@ -190,8 +195,8 @@ class DenoisingMLP(nn.Module):
     def __init__(self, config: DiffusionHeadConfig):
         super().__init__()
         width = config.width
-        self.width = width
-        self.time_embed = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
+        self.width, self.time_frequencies = width, config.time_frequencies or width
+        self.time_embed = nn.Sequential(nn.Linear(self.time_frequencies, width), nn.SiLU(), nn.Linear(width, width))
         self.condition_embed = nn.Linear(config.condition_dim, width)
         self.input_proj = nn.Linear(config.token_dim, width)
         self.blocks = nn.ModuleList(_AdaLNBlock(width) for _ in range(config.depth))
@@ -210,7 +215,7 @@ class DenoisingMLP(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, xt: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self.time_embed(timestep_embedding(t, self.width).to(z.dtype)) + self.condition_embed(z)
+        y = self.time_embed(timestep_embedding(t, self.time_frequencies).to(z.dtype)) + self.condition_embed(z)
         h = self.input_proj(xt)
         for block in self.blocks:
             h = block(h, y)
@@ -232,6 +237,15 @@ class DiffusionSample:
     final_mean: torch.Tensor  # (N, D)
     final_std: torch.Tensor  # (N, D)
     log_std_sum: torch.Tensor  # (N, D): the log stds of the trajectory's other steps, summed, without temperature
+
+    @classmethod
+    def cat(cls, samples: list[DiffusionSample], dim: int) -> DiffusionSample:
+        """Samples joined along `dim` field by field."""
+        return cls(*(torch.cat([getattr(s, f.name) for s in samples], dim=dim) for f in fields(cls)))
+
+    def map(self, function) -> DiffusionSample:
+        """The same sample with `function` applied to every field (a reshape, an index)."""
+        return DiffusionSample(*(function(getattr(self, f.name)) for f in fields(self)))
 
 
 class DiffusionHead(nn.Module):
@@ -275,11 +289,13 @@ class DiffusionHead(nn.Module):
         self,
         z: torch.Tensor,
         noise: torch.Tensor,
-        cfg_scale: float = 1.0,
+        cfg_scale: float | torch.Tensor = 1.0,
         temperature: float = 1.0,
         guided: bool = False,
     ) -> DiffusionSample:
         """Draw tokens (N, D) given conditions z ((2N, H) as [cond; uncond] when `guided`, else (N, H)).
+
+        `cfg_scale` mixes the guided twins' noise predictions, one number or one per token ((N, 1)).
 
         `noise` (N, noise_steps, D): ``noise[:, 0]`` is ``x_T``, ``noise[:, k]`` the noise of the k-th
         reverse step. The same arithmetic as `DenoisingMLP.forward` and `NoiseProcess.reverse` step by
@@ -294,7 +310,7 @@ class DiffusionHead(nn.Module):
         # What does not change from step to step: the condition's embedding, every timestep's embedding,
         # and all the AdaLN modulations as one product of SiLU(y) with their weights side by side.
         condition = net.condition_embed(z)  # (rows, W)
-        times = net.time_embed(timestep_embedding(process.timesteps.to(z.device), width).to(dtype))  # (S, W)
+        times = net.time_embed(timestep_embedding(process.timesteps.to(z.device), net.time_frequencies).to(dtype))
         modulation_weight = torch.cat([b.modulation[-1].weight for b in net.blocks] + [net.final_modulation[-1].weight])
         modulation_bias = torch.cat([b.modulation[-1].bias for b in net.blocks] + [net.final_modulation[-1].bias])
         a = process.alphas_cumprod.tolist()

@@ -44,25 +44,22 @@ The README evaluates with ``--num_iter 256 --cfg_schedule linear
 --temperature 1.0`` (``--cfg 1.0 --temperature 0.95`` without guidance), under
 CUDA fp16 autocast; this adapter runs in the dtype it is given.
 
-One mapping is not a rename: the official time embedding feeds 256 sinusoidal
-frequencies (DiT's ``TimestepEmbedder``) to ``time_embed.mlp.0`` (width x 256),
-while `DenoisingMLP` embeds timesteps at ``width`` frequencies into a
-width x width layer. For ``width = r * 256`` the official frequencies are every
-r-th of the project's (cos half and sin half alike), so the official weight is
-scattered into those columns and the other columns are zero. For MAR-B
-(1024 = 4 * 256, r a power of two) the embedding the official columns read is
-bit-identical to the official one; for MAR-L and MAR-H (r = 5, 6) it differs by
-float32 rounding in the frequencies (at most 6.1e-5 over t < 1000). An exact
-match for every size needs a frequency count option in `DiffusionHeadConfig`.
+The official time embedding feeds 256 sinusoidal frequencies (DiT's
+``TimestepEmbedder``) to ``time_embed.mlp.0`` (width x 256) at every size; the
+head here is built with `DiffusionHeadConfig.time_frequencies` = 256, so every
+official weight loads as it is, under a new name only.
 
 Checked once against the official code (LTH14/mar at fe470ac with timm 0.9.12, patched to take the orders and
 noise, on CPU; tiny random models, 4x4 grid, float64): the sampled tokens agree to 1e-11 relative for head
-widths 256 and 512, with and without guidance, both CFG schedules. At width 1280 (r = 5) the frequency
-rounding shows: 5e-4 relative, on random weights whose untrained head amplifies every difference.
+widths 256 and 512, with and without guidance, both CFG schedules. (That check ran when the head embedded
+timesteps at `width` frequencies with the official weight scattered onto every (width/256)-th, bit-identical
+for those widths; at width 1280 it was 5e-4 off, frequency rounding. The head now takes the 256 frequencies
+themselves, the official formula, at every width.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -74,7 +71,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbones.base import ImageGeometry
-from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig
+from backbones.continuous import continuous_identity
+from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig, DiffusionSample
 from backbones.hf_loading import damaged_checkpoint, load_torch_checkpoint
 
 README = "https://github.com/LTH14/mar#installation"
@@ -109,6 +107,10 @@ class MARConfig:
     diffloss_width: int = 1024  # diffloss_w
     sampling_steps: int = 100  # num_sampling_steps (diffusion steps per token)
     time_frequencies: int = 256  # DiT TimestepEmbedder frequency_embedding_size (fixed in the official code)
+    # False: the official sampler (the last reverse step adds no noise, a token is its trajectory's final mean).
+    # True: the last step adds its std (sigma_0 ~ 1e-2) noise, so a token given its trajectory is Gaussian and
+    # exact CSpD (decode/cspd_mar.py) is defined; a variant of MAR, not the released sampler.
+    final_step_noise: bool = False
     name: str = "mar-base"
 
     def __post_init__(self):
@@ -116,18 +118,14 @@ class MARConfig:
             dim, heads = getattr(self, f"{key}_dim"), getattr(self, f"{key}_heads")
             if dim % heads:
                 raise ValueError(f"{key}_dim {dim} is not divisible by {key}_heads {heads}")
-        if self.time_frequencies % 2 or self.diffloss_width % self.time_frequencies:
-            raise ValueError(
-                f"diffloss_width ({self.diffloss_width}) must be a multiple of the even time_frequencies "
-                f"({self.time_frequencies}): the official time embedding is mapped onto every r-th frequency"
-            )
 
     @property
     def seq_len(self) -> int:
         return self.grid_size**2
 
     def diffusion_config(self) -> DiffusionHeadConfig:
-        """The head as MAR samples it: 1000 cosine steps respaced to `sampling_steps`, last step noise-free."""
+        """The head as MAR samples it: 1000 cosine steps respaced to `sampling_steps`, last step noise-free
+        (unless `final_step_noise`)."""
         return DiffusionHeadConfig(
             token_dim=self.token_dim,
             condition_dim=self.decoder_dim,
@@ -135,8 +133,9 @@ class MARConfig:
             depth=self.diffloss_depth,
             training_steps=1000,
             sampling_steps=self.sampling_steps,
-            final_step_noise=False,
+            final_step_noise=self.final_step_noise,
             clip_denoised=False,
+            time_frequencies=self.time_frequencies,
         )
 
     def to_dict(self) -> dict:
@@ -234,6 +233,35 @@ def _schedule(seq_len: int, num_iter: int) -> list[int]:
     return lengths
 
 
+@dataclass(frozen=True)
+class RevealStep:
+    """One step of MAR's generation: it samples the positions ``orders[:, start:end]``, guided at `cfg_scale`."""
+
+    start: int
+    end: int
+    cfg_scale: float
+
+
+def reveal_steps(seq_len: int, num_iter: int, cfg_scale: float = 1.0, cfg_schedule: str = "linear") -> list[RevealStep]:
+    """The steps of MAR's generation that reveal at least one position, in order (LTH14/mar ``sample_tokens``).
+
+    Step s keeps the first `mask_lengths` [s] positions of each order masked and samples the rest of those
+    still masked (the last step: all of them). Guidance mixes the noise predictions with
+    ``1 + (cfg - 1) * (seq_len - mask_len) / seq_len`` ("linear", after Muse; the last step reads
+    mask_len 1, as the reference) or ``cfg`` ("constant").
+    """
+    if cfg_schedule not in ("linear", "constant"):
+        raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
+    steps, masked = [], seq_len
+    for step, mask_len in enumerate(_schedule(seq_len, num_iter)):
+        start = 0 if step == num_iter - 1 else mask_len
+        scale = cfg_scale if cfg_schedule == "constant" else 1 + (cfg_scale - 1) * (seq_len - mask_len) / seq_len
+        if start < masked:  # (with num_iter > seq_len some steps reveal nothing)
+            steps.append(RevealStep(start, masked, scale))
+        masked = start
+    return steps
+
+
 class _Attention(nn.Module):
     """timm ``Attention`` (qkv_bias=True, no qk norm), names ``qkv`` and ``proj``."""
 
@@ -243,10 +271,11 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v)  # bidirectional, scale head_dim**-0.5 as timm
+        # Bidirectional, scale head_dim**-0.5 as timm; `mask` (B, 1, 1, L): the keys each row may read.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, length, dim))
 
 
@@ -270,8 +299,8 @@ class _Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = _Mlp(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -287,7 +316,6 @@ _HEAD_RENAMES = [
     (r"output\.", "final_layer.linear."),
 ]
 _LOCAL_HEAD, _OFFICIAL_HEAD = "diffusion.net.", "diffloss.net."
-_TIME_WEIGHT = "diffusion.net.time_embed.0.weight"
 
 
 def official_name(local: str) -> str:
@@ -311,11 +339,15 @@ class MARBackbone(nn.Module):
     ``patchify`` with patch_size 1).
     """
 
-    token_kind = "continuous"
+    # Continuous tokens in a masked random order: decoded by `ar` (this sampler) and decode/cspd_mar.py only.
+    token_kind = "masked"
 
-    def __init__(self, config: MARConfig):
+    def __init__(self, config: MARConfig, num_iter: int = 64, cfg_schedule: str = "linear"):
         super().__init__()
+        reveal_steps(config.seq_len, num_iter, cfg_schedule=cfg_schedule)  # refuses bad values now
         self.config = c = config
+        # How `python -m decode` generates with this model (every method of a run): MAR's steps and CFG schedule.
+        self.num_iter, self.cfg_schedule = num_iter, cfg_schedule
         self.name = c.name
         self.geometry = ImageGeometry(rows=c.grid_size, cols=c.grid_size, end_of_line=False)
         self.seq_len, self.token_dim, self.hidden_size = c.seq_len, c.token_dim, c.decoder_dim
@@ -340,44 +372,33 @@ class MARBackbone(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.decoder_dim, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, c.seq_len, c.decoder_dim))
         self.diffusion = DiffusionHead(c.diffusion_config())
-        self._zero_unused_frequencies()
+
+    def identity(self) -> dict:
+        """What a run records and a drafter is checked against: name, sizes, geometry, a weights fingerprint."""
+        return {
+            **continuous_identity(self),
+            "noise_steps": self.diffusion.noise_steps,
+            "final_step_noise": self.config.final_step_noise,
+            "num_iter": self.num_iter,
+            "cfg_schedule": self.cfg_schedule,
+        }
+
+    def weights_fingerprint(self) -> str:
+        """A short hash of the weights (their sum per tensor, rounded): equal models, equal fingerprints."""
+        digest = hashlib.sha1()
+        for name, value in self.state_dict().items():
+            digest.update(name.encode())
+            digest.update(np.float64(value.double().sum().item()).round(4).tobytes())
+        return digest.hexdigest()[:12]
 
     # ---- official weights ------------------------------------------------------------------
-
-    def _frequency_columns(self, device=None) -> torch.Tensor:
-        """Columns of the width-frequency embedding that carry the official 256 (cos half, then sin half)."""
-        width, freqs = self.config.diffloss_width, self.config.time_frequencies
-        every = width // freqs  # frequency k of the official embedding is frequency every*k of ours
-        cos = torch.arange(freqs // 2, device=device) * every
-        return torch.cat([cos, width // 2 + cos])
-
-    def _zero_unused_frequencies(self) -> None:
-        weight = self.diffusion.net.time_embed[0].weight
-        keep = torch.zeros(weight.shape[1], dtype=torch.bool, device=weight.device)
-        keep[self._frequency_columns(weight.device)] = True
-        with torch.no_grad():
-            weight[:, ~keep] = 0
 
     def official_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under their LTH14/mar names and shapes (what the official ``MAR.state_dict()`` holds).
 
-        As with ``state_dict()``, the tensors share storage with this module (all but the time embedding's
-        first weight, gathered from the official frequencies' columns).
+        As with ``state_dict()``, the tensors share storage with this module.
         """
-        out = {}
-        for local, value in self.state_dict().items():
-            if local == _TIME_WEIGHT:
-                columns = self._frequency_columns(value.device)
-                unused = torch.ones(value.shape[1], dtype=torch.bool, device=value.device)
-                unused[columns] = False
-                if not value.is_meta and value[:, unused].any():
-                    raise ValueError(
-                        f"{local} has weight outside the official {self.config.time_frequencies} frequencies "
-                        "(trained here?): it has no official layout"
-                    )
-                value = value[:, columns]
-            out[official_name(local)] = value
-        return out
+        return {official_name(local): value for local, value in self.state_dict().items()}
 
     def load_official_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load an official state dict (``checkpoint["model_ema"]`` of LTH14/mar) strictly.
@@ -391,8 +412,6 @@ class MARBackbone(nn.Module):
             if name not in expected:
                 raise ValueError(f"unexpected key {name!r} in the MAR state dict (not a parameter of {self.name})")
             shape = tuple(own[expected[name]].shape)
-            if expected[name] == _TIME_WEIGHT:
-                shape = (shape[0], self.config.time_frequencies)
             if tuple(value.shape) != shape:
                 raise ValueError(
                     f"MAR state dict key {name!r} has shape {tuple(value.shape)}, {self.name} expects {shape}"
@@ -403,47 +422,47 @@ class MARBackbone(nn.Module):
         local = {}
         for name, value in state.items():
             target = own[expected[name]]
-            if expected[name] == _TIME_WEIGHT:
-                scattered = torch.zeros_like(target)
-                scattered[:, self._frequency_columns(target.device)] = value.to(target)
-                value = scattered
             local[expected[name]] = value.to(device=target.device, dtype=target.dtype)
         self.load_state_dict(local, strict=True)
 
     # ---- the encoder-decoder ----------------------------------------------------------------
 
-    def _conditions(self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor) -> torch.Tensor:
-        """MAR's ``forward_mae_encoder`` + ``forward_mae_decoder``: z (rows, seq_len, decoder_dim).
+    def conditions(self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor) -> torch.Tensor:
+        """One encoder-decoder pass (MAR's ``forward_mae_encoder`` + ``forward_mae_decoder``): z (rows, seq_len, dim).
 
-        Rows that know the same number of tokens run as one packed batch (the reference drops the unknown
-        positions with a reshape that needs equal counts); rows with other counts run in their own batches.
+        tokens (rows, seq_len, token_dim) read where `known` (rows, seq_len) is True; `class_embedding`
+        (rows, encoder_dim) from `class_embedding` (twins stacked by the caller).
+
+        The encoder reads the buffer and the known positions only (the reference drops the others with a
+        reshape that needs every row to know as many); rows that know different numbers run in one batch,
+        their kept positions padded to the longest row's and the padding masked out of the encoder's
+        attention (a verifier's rows of different draft prefixes: one pass).
         """
-        rows = tokens.shape[0]
-        counts = known.sum(1)
-        out = tokens.new_empty(rows, self.seq_len, self.hidden_size)
-        for count in counts.unique().tolist():
-            idx = (counts == count).nonzero().squeeze(1)
-            out[idx] = self._packed_conditions(tokens[idx], known[idx], class_embedding[idx])
-        return out
-
-    def _packed_conditions(self, tokens, known, class_embedding) -> torch.Tensor:
         rows, buffer = tokens.shape[0], self.buffer_size
         x = self.z_proj(tokens)
         x = torch.cat([class_embedding[:, None].expand(rows, buffer, -1).to(x.dtype), x], dim=1)
         x = self.z_proj_ln(x + self.encoder_pos_embed_learned)
         keep = torch.cat([known.new_ones(rows, buffer), known], dim=1)  # the buffer is always visible
-        x = x[keep].view(rows, -1, x.shape[-1])  # row-major: each row's kept positions in ascending order
+        counts = keep.sum(1)
+        width = int(counts.max())
+        # Each row's kept positions in ascending order (then its others, cut off or masked as padding).
+        kept = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :width]
+        valid = torch.arange(width, device=x.device)[None] < counts[:, None]  # (rows, width)
+        mask = None if bool(valid.all()) else valid[:, None, None, :]  # keys a query may attend to
+        x = x.gather(1, kept[..., None].expand(-1, -1, x.shape[-1]))
         for block in self.encoder_blocks:
-            x = block(x)
+            x = block(x, mask)
         x = self.decoder_embed(self.encoder_norm(x))
         padded = self.mask_token.to(x.dtype).expand(rows, keep.shape[1], -1).clone()
-        padded[keep] = x.flatten(0, 1)
+        row_index = torch.arange(rows, device=x.device)[:, None].expand(-1, width)
+        padded[row_index[valid], kept[valid]] = x[valid]
         x = padded + self.decoder_pos_embed_learned
         for block in self.decoder_blocks:
             x = block(x)
         return self.decoder_norm(x)[:, buffer:] + self.diffusion_pos_embed_learned
 
-    def _class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
+    def class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
+        """The buffer's class embeddings (B, dim), or (2B, dim) as [class; fake latent] when `guided`."""
         if class_ids.dim() != 1:
             raise ValueError(f"class_ids must be (B,), got shape {tuple(class_ids.shape)}")
         if len(class_ids) and not (0 <= int(class_ids.min()) and int(class_ids.max()) < self.num_classes):
@@ -471,10 +490,10 @@ class MARBackbone(nn.Module):
                 f"got {tuple(tokens.shape)} and {tuple(known_mask.shape)}"
             )
         known = known_mask.bool()
-        class_embedding = self._class_embedding(class_ids, guided)
+        class_embedding = self.class_embedding(class_ids, guided)
         if guided:
             tokens, known = torch.cat([tokens, tokens]), torch.cat([known, known])
-        return self._conditions(tokens.to(self.z_proj.weight.dtype), known, class_embedding)
+        return self.conditions(tokens.to(self.z_proj.weight.dtype), known, class_embedding)
 
     # ---- sampling ---------------------------------------------------------------------------
 
@@ -505,42 +524,46 @@ class MARBackbone(nn.Module):
         aligned trajectories (CSpD). Rows are independent of each other.
         """
         batch, device = len(class_ids), self.z_proj.weight.device
-        if cfg_schedule not in ("linear", "constant"):
-            raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
-        orders = self._check_orders(orders, batch, generator, device)
-        noise = self._check_noise(noise, batch, generator, device)
+        steps = reveal_steps(self.seq_len, num_iter, cfg_scale, cfg_schedule)
+        orders = self.check_orders(orders, batch, generator, device)
+        noise = self.check_noise(noise, batch, generator, device)
         guided = cfg_scale != 1.0  # as the reference: guidance twins only when the scale is not exactly 1
-        class_embedding = self._class_embedding(class_ids.to(device), guided)
-        dtype = self.z_proj.weight.dtype
-        tokens = torch.zeros(batch, self.seq_len, self.token_dim, device=device, dtype=dtype)
+        class_embedding = self.class_embedding(class_ids.to(device), guided)
+        tokens = torch.zeros(batch, self.seq_len, self.token_dim, device=device, dtype=self.z_proj.weight.dtype)
         known = torch.zeros(batch, self.seq_len, dtype=torch.bool, device=device)
-        lengths, masked = _schedule(self.seq_len, num_iter), self.seq_len
-        for step, mask_len in enumerate(lengths):
-            reveal_from = 0 if step == num_iter - 1 else mask_len
-            positions = orders[:, reveal_from:masked]  # (B, n): the same count in every row
-            masked = reveal_from
-            if positions.shape[1] == 0:  # (with num_iter > seq_len some steps reveal nothing)
-                continue
-            twins = torch.cat([tokens, tokens]) if guided else tokens
-            z = self._conditions(twins, torch.cat([known, known]) if guided else known, class_embedding)
-            z = z.gather(1, positions.repeat(2 if guided else 1, 1)[..., None].expand(-1, -1, z.shape[-1]))
-            if guided:
-                cond, uncond = z.chunk(2)
-                z = torch.cat([cond.flatten(0, 1), uncond.flatten(0, 1)])
-            else:
-                z = z.flatten(0, 1)
-            scale = cfg_scale
-            if cfg_schedule == "linear":
-                scale = 1 + (cfg_scale - 1) * (self.seq_len - mask_len) / self.seq_len
-            picked = noise[torch.arange(batch, device=device)[:, None], positions]  # (B, n, noise_steps, D)
-            drawn = self.diffusion.sample(z, picked.flatten(0, 1), scale, temperature, guided=guided)
-            tokens = tokens.scatter(
-                1, positions[..., None].expand(-1, -1, self.token_dim), drawn.tokens.view(batch, -1, self.token_dim)
-            )
-            known = known.scatter(1, positions, True)
+        for step in steps:
+            positions = orders[:, step.start : step.end]  # (B, n): the same count in every row
+            z = self.conditions_at(tokens, known, class_embedding, positions)
+            drawn = self.sample_positions(z, gather_positions(noise, positions), step.cfg_scale, temperature)
+            tokens, known = reveal(tokens, known, positions, drawn.tokens)
         return tokens
 
-    def _check_orders(self, orders, batch, generator, device) -> torch.Tensor:
+    def conditions_at(
+        self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The conditions of `positions` (B, n) given the known tokens: (B*n, dim), or (2B*n, dim) as
+        [cond; uncond] when `class_embedding` holds twins (the diffusion head's layout)."""
+        guided = class_embedding.shape[0] == 2 * tokens.shape[0]
+        if guided:
+            tokens, known, positions = torch.cat([tokens, tokens]), torch.cat([known, known]), positions.repeat(2, 1)
+        z = self.conditions(tokens, known, class_embedding)
+        return z.gather(1, positions[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1)
+
+    def sample_positions(
+        self, z: torch.Tensor, noise: torch.Tensor, cfg_scale: float | torch.Tensor, temperature: float
+    ) -> DiffusionSample:
+        """The diffusion head's tokens at B*n positions given their conditions z (`conditions_at`) and their
+        trajectory noise (B, n, noise_steps, token_dim); every field of the result is (B, n, token_dim).
+
+        `cfg_scale` is a number or one scale per position, (B*n, 1) (verifying several steps at once).
+        """
+        batch, count = noise.shape[:2]
+        guided = z.shape[0] == 2 * batch * count
+        drawn = self.diffusion.sample(z, noise.flatten(0, 1), cfg_scale, temperature, guided=guided)
+        return drawn.map(lambda value: value.view(batch, count, -1))
+
+    def check_orders(self, orders, batch, generator, device) -> torch.Tensor:
+        """`orders` checked (B, seq_len), one permutation per row; drawn from `generator` when None."""
         if orders is None:
             return torch.stack([torch.randperm(self.seq_len, generator=generator) for _ in range(batch)]).to(device)
         orders = orders.to(device=device, dtype=torch.long)
@@ -551,7 +574,8 @@ class MARBackbone(nn.Module):
             )
         return orders
 
-    def _check_noise(self, noise, batch, generator, device) -> torch.Tensor:
+    def check_noise(self, noise, batch, generator, device) -> torch.Tensor:
+        """`noise` checked (B, seq_len, noise_steps, token_dim); drawn from `generator` when None."""
         shape = (batch, self.seq_len, self.diffusion.noise_steps, self.token_dim)
         if noise is None:
             return torch.randn(shape, generator=generator).to(device)
@@ -569,6 +593,17 @@ class MARBackbone(nn.Module):
             "MARBackbone has no pixel decoder: MAR's tokens are KL-16 VAE latents (LTH14/mar models/vae.py, "
             f"kl16.ckpt from util/download.py or kl16.safetensors from {HF_REPO}), not included here"
         )
+
+
+def gather_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """values (B, seq_len, ...) at positions (B, n): (B, n, ...)."""
+    return values[torch.arange(values.shape[0], device=values.device)[:, None], positions]
+
+
+def reveal(tokens: torch.Tensor, known: torch.Tensor, positions: torch.Tensor, values: torch.Tensor):
+    """New (tokens, known) with `values` (B, n, token_dim) written at `positions` (B, n) and marked known."""
+    index = positions[..., None].expand(-1, -1, tokens.shape[-1])
+    return tokens.scatter(1, index, values.to(tokens.dtype)), known.scatter(1, positions, True)
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -607,56 +642,108 @@ def _download_advice(size: str) -> str:
 
 
 def load_mar_backbone(
-    path: str | Path, size: str = "base", device: str = "cpu", dtype: str = "float32", trust_pickle: bool = False
+    path: str | Path,
+    size: str = "auto",
+    device: str = "cpu",
+    dtype: str = "float32",
+    trust_pickle: bool = False,
+    num_iter: int = 64,
+    cfg_schedule: str = "linear",
+    final_step_noise: bool = False,
 ) -> MARBackbone:
     """Hydra entry point: a frozen MAR from its official weights (Li et al. 2024; LTH14/mar).
 
     `path` is a file or a directory holding ``checkpoint-last.pth`` (the README's download, read with
     ``torch.load(weights_only=True)``: ``model_ema`` as the official evaluation and demo use, ``model`` if
     there is no EMA) or ``mar-{size}.safetensors`` (the Hugging Face mirror jadechoghari/mar, a bare state
-    dict converted by a third party). `trust_pickle=True` allows arbitrary pickled objects (only for files
-    from a source you trust). Raises FileNotFoundError with the download links when nothing is there.
+    dict converted by a third party). `size` "auto" reads it off the weights' shapes. `trust_pickle=True`
+    allows arbitrary pickled objects (only for files from a source you trust). `num_iter` and `cfg_schedule`
+    are how this model generates in `python -m decode` (the README's evaluation: 256, linear);
+    `final_step_noise` see `MARConfig`. Raises FileNotFoundError with the download links when nothing is there.
     """
-    if size not in MAR_SIZES:  # ("tiny" too: tests save official-layout tiny checkpoints)
-        raise ValueError(f"unknown MAR size {size!r}; choose from {sorted(MAR_SIZES)}")
+    if size != "auto" and size not in MAR_SIZES:  # ("tiny" too: tests save official-layout tiny checkpoints)
+        raise ValueError(f"unknown MAR size {size!r}; choose from auto, {', '.join(sorted(MAR_SIZES))}")
     path = Path(path)
     if path.is_dir():
-        candidates = [path / CHECKPOINT_FILE, path / f"mar-{size}.safetensors"]
+        names = [CHECKPOINT_FILE] + [f"mar-{s}.safetensors" for s in (MAR_SIZES if size == "auto" else [size])]
+        candidates = [path / name for name in names]
         path = next((p for p in candidates if p.is_file()), candidates[0])
     if not path.is_file():
-        raise FileNotFoundError(f"no MAR checkpoint at {path}: {_download_advice(size)}")
-    backbone = MARBackbone(mar_config(size))
+        raise FileNotFoundError(f"no MAR checkpoint at {path}: {_download_advice('base' if size == 'auto' else size)}")
+    state = _read_state_dict(path, trust_pickle)
+    size = infer_size(state, path) if size == "auto" else size
+    backbone = MARBackbone(mar_config(size, final_step_noise=final_step_noise), num_iter, cfg_schedule)
     try:
-        backbone.load_official_state_dict(_read_state_dict(path, trust_pickle))
+        backbone.load_official_state_dict(state)
     except ValueError as error:
         raise ValueError(f"{path}: {error} (is it a MAR-{size[0].upper()} checkpoint?)") from error
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
-def random_mar_backbone(seed: int = 0, device: str = "cpu", size: str = "tiny", **overrides) -> MARBackbone:
+def infer_size(state: dict[str, torch.Tensor], path: Path | str = "the state dict") -> str:
+    """The `MAR_SIZES` entry whose shapes an official state dict has (width, depths, diffusion head)."""
+
+    def depth(prefix: str) -> int:
+        return len({key.split(".")[1] for key in state if key.startswith(prefix)})
+
+    try:
+        found = {
+            "encoder_dim": state["z_proj.weight"].shape[0],
+            "token_dim": state["z_proj.weight"].shape[1],
+            "decoder_dim": state["decoder_embed.weight"].shape[0],
+            "encoder_depth": depth("encoder_blocks."),
+            "decoder_depth": depth("decoder_blocks."),
+            "diffloss_width": state["diffloss.net.input_proj.weight"].shape[0],
+            "diffloss_depth": len({key.split(".")[3] for key in state if key.startswith("diffloss.net.res_blocks.")}),
+        }
+    except KeyError as error:
+        raise ValueError(f"{path}: no {error.args[0]!r}: not an official MAR state dict") from None
+    for size in MAR_SIZES:
+        config = mar_config(size)
+        if all(getattr(config, key) == value for key, value in found.items()):
+            return size
+    raise ValueError(
+        f"{path}: a MAR of shape {found} is none of the released sizes ({', '.join(MAR_SIZES)}); "
+        "pass backbone.size= if it is one of them"
+    )
+
+
+def random_mar_backbone(
+    seed: int = 0,
+    device: str = "cpu",
+    size: str = "tiny",
+    num_iter: int = 64,
+    cfg_schedule: str = "linear",
+    dtype: str = "float32",
+    **overrides,
+) -> MARBackbone:
     """A MAR backbone with seeded random weights (tiny by default; for tests).
 
     The official init zeroes the diffusion head's modulations and output (every token would be the mean
     of the schedule); random weights test more. Norm weights are centred on 1.
     """
     torch.manual_seed(seed)
-    backbone = MARBackbone(mar_config(size, **overrides))
+    backbone = MARBackbone(mar_config(size, **overrides), num_iter, cfg_schedule)
     with torch.no_grad():
         for name, parameter in backbone.named_parameters():
             nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
             if name.endswith("weight") and ("norm" in name or "_ln" in name):
                 parameter.add_(1.0)
-    backbone._zero_unused_frequencies()
-    return backbone.to(device).eval().requires_grad_(False)
+    return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
 __all__ = [
     "MAR_SIZES",
     "MARBackbone",
     "MARConfig",
+    "RevealStep",
+    "gather_positions",
+    "infer_size",
     "load_mar_backbone",
     "mar_config",
     "mask_lengths",
     "official_name",
     "random_mar_backbone",
+    "reveal",
+    "reveal_steps",
 ]

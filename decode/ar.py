@@ -57,10 +57,15 @@ def generate_ar(
 
 
 def _generate(backbone, _artefact, condition, sampling, generator, _settings: ARDecodeConfig) -> GenerationResult:
-    if getattr(backbone, "token_kind", "discrete") == "continuous":  # the same baseline for diffusion-head tokens
+    kind = getattr(backbone, "token_kind", "discrete")
+    if kind == "continuous":  # the same baseline for diffusion-head tokens
         from decode.continuous_ar import generate_continuous_ar
 
         return generate_continuous_ar(backbone, condition, sampling, generator)
+    if kind == "masked":  # MAR: its own random-order sampler
+        from decode.masked_baseline import generate_masked
+
+        return generate_masked(backbone, condition, sampling, generator)
     return generate_ar(backbone, condition, sampling, generator)
 
 

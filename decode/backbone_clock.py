@@ -63,14 +63,20 @@ class BackboneClock:
 @contextmanager
 def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
     """Time every `prefill` and `step` of `backbone` inside the block (the instance's methods, restored after);
-    of a continuous-token backbone also its diffusion head's `sample_tokens`.
+    of a continuous-token backbone also its diffusion head's `sample_tokens`; of MAR its `conditions` passes
+    and `sample_positions`.
 
     Only this backbone's passes are timed: a MuLo-SD drafter's own small model
     is drafting, not verification.
     """
     clock = BackboneClock(next(backbone.parameters()).device)
     # A continuous-token backbone's diffusion head is its own compute too (its drafter's is drafting).
-    timed = ("prefill", "step") + (("sample_tokens",) if hasattr(backbone, "sample_tokens") else ())
+    # MAR (masked, no cache): its encoder-decoder passes and its head's sampling.
+    timed = tuple(
+        name
+        for name in ("prefill", "step", "sample_tokens", "conditions", "sample_positions")
+        if hasattr(backbone, name)
+    )
     for name in timed:
         setattr(backbone, name, clock.time(getattr(backbone, name)))
     try:

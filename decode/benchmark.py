@@ -86,7 +86,7 @@ def run_interleaved(
 def _token_buffer(backbone, count: int) -> torch.Tensor:
     """Room for `count` images' tokens: (count, rows, cols) ids, or (count, rows, cols, token_dim) vectors."""
     geometry = backbone.geometry
-    if getattr(backbone, "token_kind", "discrete") == "continuous":
+    if getattr(backbone, "token_kind", "discrete") != "discrete":  # continuous or masked (MAR)
         return torch.zeros(count, geometry.rows, geometry.cols, backbone.token_dim)
     return torch.zeros(count, geometry.rows, geometry.cols, dtype=torch.long)
 
@@ -108,7 +108,7 @@ def _timed_batch(
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - began
-    run.tokens[indices] = result.tokens.cpu()
+    run.tokens[indices] = result.tokens.cpu().to(run.tokens.dtype)  # (continuous: float32 whatever the model runs in)
     run.passes += result.forward_passes
     run.drafted += result.drafted_tokens
     run.accepted += result.accepted_tokens

@@ -32,5 +32,8 @@ class MethodSpec:
     artefact: str | None = None  # the preset key naming the export it needs (e.g. `heads`); None: nothing to load
     artefact_kind: str | None = None  # that export's kind, checked on load (heads/export.py)
     lossless: Callable[[Any], bool] = lambda settings: True  # whether these settings sample the backbone's distribution
-    # The tokens the generator speaks: discrete (ARImageBackbone), continuous (ContinuousARBackbone), or any.
+    # The tokens the generator speaks: discrete (ARImageBackbone), continuous (ContinuousARBackbone), masked
+    # (continuous tokens in a random order: MARBackbone), or any.
     token_kind: str = "discrete"
+    # load_artefact(path, backbone, device=..., kind=...) -> the artefact; None: a safetensors export (heads/export.py)
+    load_artefact: Callable[..., Any] | None = None

@@ -138,7 +138,8 @@ def check_token_kinds(methods: list[Method], backbone) -> None:
             raise ValueError(
                 f"decode method {method.name!r} ({method.generator}) decodes {method.spec.token_kind} tokens, but "
                 f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, "
-                "cspd_relaxed, cspd_rows; discrete: ar, ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
+                "cspd_relaxed, cspd_rows; masked (MAR): ar, cspd_mar, cspd_mar_reference; discrete: ar, ssd_*, "
+                "mulo*, sjd, gsd, zipar, eagle*, lantern)"
             )
 
 
@@ -154,9 +155,12 @@ def load_artefacts(methods: list[Method], backbone: ARImageBackbone) -> None:
             continue
         key = (str(method.artefact_path), method.spec.artefact_kind)
         if key not in loaded:
+            load = method.spec.load_artefact or load_heads
             try:
-                loaded[key] = load_heads(method.artefact_path, backbone, device=device, kind=method.spec.artefact_kind)
+                loaded[key] = load(method.artefact_path, backbone, device=device, kind=method.spec.artefact_kind)
             except FileNotFoundError:
+                if method.spec.load_artefact is not None:  # its own loader's message says how to get the file
+                    raise
                 command = TRAINING_COMMANDS.get(
                     method.spec.artefact_kind, "python -m train +experiment=<its experiment>"
                 )

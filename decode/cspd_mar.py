@@ -1,0 +1,354 @@
+"""CSpD on MAR: a smaller MAR drafts whole generation steps, the target MAR verifies them in one pass.
+
+Wang et al., 2026, "Continuous Speculative Decoding for Autoregressive Image
+Generation"; code at MarkXCloud/CSpD (`spec_decode/spec_decode_runner.py` on top
+of LTH14/mar; its demo `demo/run_mar.ipynb` drafts with MAR-B for MAR-H, 256
+steps, so every step reveals one token). MAR generates in a random order, a
+step sampling the positions its cosine schedule reveals; a *draft* here is one
+such step of the drafter. Steps:
+
+1. One random order per image and every position's trajectory noise (``x_T``
+   and each reverse step's) are drawn once; drafter and target share both
+   (trajectory alignment: a token's noise belongs to its position).
+2. Pre-fill: the target runs the first ``prefill_fraction`` of the steps itself
+   (the reference: ``floor(ratio * num_iter) + 1`` steps; the demo's 5%).
+3. Draft: the drafter runs the next steps one after another, each conditioned
+   on the tokens so far and its own earlier drafts, keeping every token's
+   final-step Gaussian q (mean, std) and its trajectory's summed log stds.
+4. Verify, in one batched target pass, then judge (`rules.gaussian_acceptance`:
+   ``min(1, p(x) / q(x))``, the reference's tau and std-ratio factor when set):
+
+   - ``verification="prefix"`` (exact, this project's): the pass holds one row
+     per draft prefix, row r knowing the tokens before the round and the first
+     r drafted steps, so the target scores step r exactly as its own sampler
+     would have conditioned it, plus the step after the round (the bonus).
+     Tokens of one step are independent given their conditions, so each is
+     judged on its own; the round is cut after the first step with a rejection
+     (the batch: the earliest of its images), whose rejected tokens are drawn
+     from the residual ``norm(max(0, p - q))`` (`rules.gaussian_residual_sample`,
+     acceptance-rejection with envelope p, bound 1). When every step is kept,
+     the target's own sample of the next step is the bonus. Lossless with tau 1,
+     no correction and a last reverse step that adds its noise on both models
+     (`MARConfig.final_step_noise`: otherwise a token is its final mean and has
+     no density; the official sampler adds none).
+   - ``verification="window"`` (the reference's): one target pass over the
+     tokens known before the round predicts every drafted token at once (the
+     target does not see the earlier drafts of the round), guided at the
+     round's last step's scale; each token is judged on its own, a rejected one
+     replaced by a residual draw, nothing is cut, no bonus. Rounds end at the
+     steps whose index is a multiple of `gamma` (and at the last step), as the
+     reference checks ``step % num_draft == 0``. Not lossless. Unlike the
+     reference, a rejected token is always resampled (never left at zeros
+     after 100 tries) and only rejected tokens are.
+
+The pass counts: the target's passes (pre-fill steps + one per round) are
+``forward_passes``; the drafter's steps are ``extras["drafter_passes"]`` and the
+rows of the target's verification passes ``extras["verify_rows"]`` (prefix
+verification batches gamma + 1 rows of every image in its one pass).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from backbones.base import Condition
+from backbones.diffusion_head import DiffusionSample
+from backbones.mar import MARBackbone, RevealStep, gather_positions, load_mar_backbone, reveal, reveal_steps
+from decode.continuous_ar import check_continuous_sampling
+from decode.cspd import check_verification
+from decode.method import MethodSpec
+from decode.result import GenerationResult
+from decode.rules import gaussian_acceptance, gaussian_residual_sample
+from decode.sampling import SamplingConfig
+
+VERIFICATIONS = ("prefix", "window")
+
+
+@dataclass(frozen=True)
+class CSpDMARConfig:
+    """CSpD-on-MAR settings (defaults: exact; the reference demo's gamma 4 and 5% pre-fill)."""
+
+    gamma: int = 4  # drafted steps per verification (the demo's num_draft)
+    prefill_fraction: float = 0.05  # of the steps, run by the target first (the demo's ratio)
+    verification: str = "prefix"  # "prefix": exact (module doc); "window": the reference's (not lossless)
+    tau: float = 1.0  # 1: exact. The reference's relaxed test widens both Gaussians by 42 (not lossless)
+    reference_correction: bool = False  # the reference's factor exp(sum log std_p - sum log std_q) (not lossless)
+    trajectory_alignment: bool = True  # drafter and target share every position's trajectory noise
+
+    def __post_init__(self):
+        if self.gamma < 1:
+            raise ValueError(f"cspd_mar gamma must be >= 1, got {self.gamma}")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"cspd_mar verification must be one of {VERIFICATIONS}, got {self.verification!r}")
+        check_verification(self.prefill_fraction, self.tau, "cspd_mar")
+
+    @property
+    def exact(self) -> bool:
+        return self.verification == "prefix" and self.tau == 1.0 and not self.reference_correction
+
+
+def prefill_steps(fraction: float, steps: int) -> int:
+    """Steps the target runs before drafting: the reference's ``step <= ratio * num_iter`` (none at 0)."""
+    return 0 if fraction == 0 else min(steps, math.floor(fraction * steps) + 1)
+
+
+@torch.inference_mode()
+def generate_cspd_mar(
+    target: MARBackbone,
+    drafter: MARBackbone,
+    class_ids: torch.Tensor,
+    settings: CSpDMARConfig,
+    num_iter: int,
+    cfg_scale: float = 1.0,
+    cfg_schedule: str = "linear",
+    temperature: float = 1.0,
+    orders: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate one image per class id with `drafter` drafting MAR steps and `target` verifying (module doc).
+
+    `orders` (B, seq_len) and `noise` (B, seq_len, noise_steps, token_dim) as `MARBackbone.sample` takes them
+    (drawn from `generator` when None): with the same ones and a drafter equal to the target every draft is
+    accepted and the tokens are the target's own.
+    """
+    check_compatible(target, drafter)
+    if settings.exact and not (target.config.final_step_noise and drafter.config.final_step_noise):
+        raise ValueError(
+            "exact CSpD on MAR needs a last reverse step that adds its noise (else a token has no density): "
+            "load both models with final_step_noise=true (backbone.final_step_noise=true), or use the "
+            "reference's verification (the cspd_mar_reference preset, not lossless)"
+        )
+    batch, device = len(class_ids), target.z_proj.weight.device
+    class_ids = class_ids.to(device)
+    steps = reveal_steps(target.seq_len, num_iter, cfg_scale, cfg_schedule)
+    orders = target.check_orders(orders, batch, generator, device)
+    noise = target.check_noise(noise, batch, generator, device)
+    draft_noise = noise if settings.trajectory_alignment else target.check_noise(None, batch, generator, device)
+    guided = cfg_scale != 1.0
+    run = _Run(target, drafter, orders, noise, draft_noise, temperature, generator, guided, class_ids)
+
+    tokens = torch.zeros(batch, target.seq_len, target.token_dim, device=device, dtype=target.z_proj.weight.dtype)
+    known = torch.zeros(batch, target.seq_len, dtype=torch.bool, device=device)
+    first = prefill_steps(settings.prefill_fraction, len(steps))
+    for step in steps[:first]:  # 2. the target's own steps
+        tokens, known = run.target_step(tokens, known, step)
+    counts = {"passes": first, "drafter_passes": 0, "verify_rows": 0, "drafted": 0, "accepted": 0, "unsettled": 0}
+    index = first
+    while index < len(steps):
+        if settings.verification == "prefix":
+            window = steps[index : index + settings.gamma]
+            bonus = steps[index + len(window)] if index + len(window) < len(steps) else None
+            tokens, known, advanced = _prefix_round(run, tokens, known, window, bonus, settings, counts)
+        else:
+            end = next(k for k in range(index, len(steps)) if (k % settings.gamma == 0 and k) or k == len(steps) - 1)
+            window = steps[index : end + 1]
+            tokens, known = _window_round(run, tokens, known, window, settings, counts)
+            advanced = len(window)
+        index += advanced
+    grid = target.geometry
+    return GenerationResult(
+        tokens.view(batch, grid.rows, grid.cols, target.token_dim),
+        forward_passes=counts["passes"],
+        drafted_tokens=counts["drafted"],
+        accepted_tokens=counts["accepted"],
+        extras={
+            "drafter_passes": counts["drafter_passes"],
+            "verify_rows": counts["verify_rows"],
+            "residual_fallbacks": counts["unsettled"],
+        },
+    )
+
+
+@dataclass
+class _Run:
+    """What every round reads: both models, the shared orders and noise, the sampling settings."""
+
+    target: MARBackbone
+    drafter: MARBackbone
+    orders: torch.Tensor
+    noise: torch.Tensor
+    draft_noise: torch.Tensor
+    temperature: float
+    generator: torch.Generator | None
+    guided: bool
+    class_ids: torch.Tensor
+
+    def __post_init__(self):
+        self.target_classes = self.target.class_embedding(self.class_ids, self.guided)
+        self.drafter_classes = self.drafter.class_embedding(self.class_ids, self.guided)
+
+    def positions(self, step: RevealStep) -> torch.Tensor:
+        return self.orders[:, step.start : step.end]
+
+    def target_step(self, tokens, known, step: RevealStep):
+        """One step of the target's own sampler (the pre-fill)."""
+        positions = self.positions(step)
+        z = self.target.conditions_at(tokens, known, self.target_classes, positions)
+        noise = gather_positions(self.noise, positions)
+        drawn = self.target.sample_positions(z, noise, step.cfg_scale, self.temperature)
+        return reveal(tokens, known, positions, drawn.tokens)
+
+    def draft(self, tokens, known, window: list[RevealStep], counts: dict) -> list[DiffusionSample]:
+        """3. The drafter's steps of `window`, each on the tokens so far and its earlier drafts."""
+        drafts = []
+        for step in window:
+            positions = self.positions(step)
+            z = self.drafter.conditions_at(tokens, known, self.drafter_classes, positions)
+            noise = gather_positions(self.draft_noise, positions)
+            drawn = self.drafter.sample_positions(z, noise, step.cfg_scale, self.temperature)
+            tokens, known = reveal(tokens, known, positions, drawn.tokens)
+            drafts.append(drawn)
+        counts["drafter_passes"] += len(window)
+        return drafts
+
+    def judge(self, drafted: DiffusionSample, target: DiffusionSample, settings: CSpDMARConfig, counts: dict):
+        """4. Each token's acceptance (B, n) and the residual draws for every token (used where rejected)."""
+        p, q = (target.final_mean, target.final_std), (drafted.final_mean, drafted.final_std)
+        correction = (target.log_std_sum - drafted.log_std_sum).sum(-1) if settings.reference_correction else None
+        ratio = gaussian_acceptance(drafted.tokens, p, q, settings.tau, correction)
+        kept = torch.rand(ratio.shape, generator=self.generator, device=ratio.device) < ratio
+        replaced = drafted.tokens.clone()
+        rejected = ~kept
+        if rejected.any():
+            residual, settled = gaussian_residual_sample(
+                (p[0][rejected], p[1][rejected]), (q[0][rejected], q[1][rejected]), self.generator
+            )
+            replaced[rejected] = residual.to(replaced.dtype)
+            counts["unsettled"] += int((~settled).sum())
+        return kept, replaced
+
+
+def _prefix_round(run: _Run, tokens, known, window, bonus, settings: CSpDMARConfig, counts: dict):
+    """One exact round: draft `window`, verify every prefix in one pass, keep up to the first rejection."""
+    batch, target = tokens.shape[0], run.target
+    drafts = run.draft(tokens, known, window, counts)
+    # Row r knows the round's first r drafted steps; row len(window) also conditions the bonus step.
+    row_steps = window + ([bonus] if bonus is not None else [])
+    row_tokens, row_known = [tokens], [known]
+    for step, drawn in zip(window[: len(row_steps) - 1], drafts, strict=False):
+        next_tokens, next_known = reveal(row_tokens[-1], row_known[-1], run.positions(step), drawn.tokens)
+        row_tokens.append(next_tokens)
+        row_known.append(next_known)
+    rows = len(row_steps)
+    twins = 2 if run.guided else 1
+    stacked_classes = torch.cat([c.repeat(rows, 1) for c in run.target_classes.chunk(twins)])
+    # [cond rows 0..R-1; uncond rows 0..R-1], each block of B images: the twins' layout of `conditions`.
+    all_tokens, all_known = torch.cat(row_tokens), torch.cat(row_known)
+    z = target.conditions(all_tokens.repeat(twins, 1, 1), all_known.repeat(twins, 1), stacked_classes)
+    counts["passes"] += 1
+    counts["verify_rows"] += rows
+    # Every row's own step's positions, flattened as the diffusion head takes them ([cond; uncond]).
+    picked, scales, noises = [], [], []
+    for r, step in enumerate(row_steps):
+        positions = run.positions(step)
+        for twin in range(twins):
+            block = z[(twin * rows + r) * batch : (twin * rows + r + 1) * batch]
+            picked.append((twin, block.gather(1, positions[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1)))
+        noises.append(gather_positions(run.noise, positions).flatten(0, 1))
+        scales.append(torch.full((positions.numel(), 1), step.cfg_scale, device=z.device, dtype=z.dtype))
+    conditions = torch.cat([zz for twin, zz in picked if twin == 0] + [zz for twin, zz in picked if twin == 1])
+    # One diffusion run for every row's tokens, each at its own step's guidance: (1, sum_r B * n_r, D).
+    sampled = target.sample_positions(conditions, torch.cat(noises)[None], torch.cat(scales), run.temperature)
+    per_row = _split_rows(sampled.map(lambda value: value[0]), [run.positions(s).shape[1] for s in row_steps], batch)
+
+    committed = len(window)
+    rejected_at = torch.full((batch,), len(window), device=tokens.device)
+    judged = []
+    for r, drawn in enumerate(drafts):
+        kept, replaced = run.judge(drawn, per_row[r], settings, counts)
+        judged.append((kept, replaced))
+        rejected_at = torch.where((~kept.all(1)) & (rejected_at == len(window)), r, rejected_at)
+        committed = int(rejected_at.min())
+        if committed <= r:  # the batch stops at this step: nothing after it is judged
+            break
+    counts["drafted"] += sum(drawn.tokens.shape[:2].numel() for drawn in drafts)  # (the cut ones too)
+    for r in range(min(committed + 1, len(window))):
+        kept, replaced = judged[r]
+        counts["accepted"] += int(kept.sum())
+        values = drafts[r].tokens if r < committed else replaced
+        tokens, known = reveal(tokens, known, run.positions(window[r]), values)
+    if committed < len(window):
+        return tokens, known, committed + 1
+    if bonus is not None:  # every step kept: the target's own sample of the next step
+        tokens, known = reveal(tokens, known, run.positions(bonus), per_row[len(window)].tokens)
+        return tokens, known, len(window) + 1
+    return tokens, known, len(window)
+
+
+def _window_round(run: _Run, tokens, known, window, settings: CSpDMARConfig, counts: dict):
+    """One round as the reference verifies: the target sees only the tokens before the round."""
+    target = run.target
+    drafts = run.draft(tokens, known, window, counts)
+    positions = torch.cat([run.positions(step) for step in window], dim=1)
+    z = target.conditions_at(tokens, known, run.target_classes, positions)
+    counts["passes"] += 1
+    counts["verify_rows"] += 1
+    noise = gather_positions(run.noise, positions)
+    predicted = target.sample_positions(z, noise, window[-1].cfg_scale, run.temperature)
+    drafted = DiffusionSample.cat(drafts, dim=1)
+    kept, replaced = run.judge(drafted, predicted, settings, counts)
+    counts["drafted"] += kept.numel()
+    counts["accepted"] += int(kept.sum())
+    return reveal(tokens, known, positions, replaced)
+
+
+def _split_rows(sampled: DiffusionSample, counts: list[int], batch: int) -> list[DiffusionSample]:
+    """The flat (sum_r B * n_r, D) sample of all rows back into one (B, n_r, D) sample per row."""
+    out, start = [], 0
+    for count in counts:
+        size = batch * count
+        out.append(sampled.map(lambda value, s=start, size=size, n=count: value[s : s + size].view(batch, n, -1)))
+        start += size
+    return out
+
+
+def check_compatible(target: MARBackbone, drafter: MARBackbone) -> None:
+    """A drafter must share the target's grid, token size, classes and diffusion steps (they share noise)."""
+    mine, theirs = drafter.config, target.config
+    for key in ("grid_size", "token_dim", "num_classes", "sampling_steps", "final_step_noise"):
+        if getattr(mine, key) != getattr(theirs, key):
+            raise ValueError(
+                f"the CSpD drafter {drafter.name} has {key}={getattr(mine, key)}, the target {target.name} "
+                f"{getattr(theirs, key)}: a MAR drafter must share the target's grid, tokens, classes and "
+                "diffusion sampling (load it with the same settings)"
+            )
+
+
+def load_mar_drafter(path, backbone: MARBackbone, device=None, kind: str = "cspd_mar") -> MARBackbone:
+    """The registry's loader for `drafter:` (an official MAR checkpoint, its size read off its weights),
+    loaded in the target's dtype, steps and last-step setting, and checked against it."""
+    drafter = load_mar_backbone(
+        path,
+        device=str(device or next(backbone.parameters()).device),
+        dtype=str(next(backbone.parameters()).dtype).removeprefix("torch."),
+        num_iter=backbone.num_iter,
+        cfg_schedule=backbone.cfg_schedule,
+        final_step_noise=backbone.config.final_step_noise,
+    )
+    check_compatible(backbone, drafter)
+    return drafter
+
+
+def _generate(backbone, drafter, condition: Condition, sampling: SamplingConfig, generator, settings):
+    check_continuous_sampling(sampling)
+    if condition.class_ids is None:
+        raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
+    return generate_cspd_mar(
+        backbone, drafter, condition.class_ids, settings, backbone.num_iter, sampling.cfg_scale,
+        backbone.cfg_schedule, sampling.temperature, generator=generator,
+    )  # fmt: skip
+
+
+METHOD = MethodSpec(
+    generate=_generate,
+    settings=CSpDMARConfig,
+    artefact="drafter",
+    artefact_kind="cspd_mar",
+    lossless=lambda s: s.exact,
+    token_kind="masked",
+    load_artefact=load_mar_drafter,
+)

@@ -1,0 +1,40 @@
+"""The baseline of a masked random-order backbone (MAR): its own sampler, one encoder-decoder pass per step.
+
+`ar` runs this on a backbone whose ``token_kind`` is "masked" (backbones/mar.py), at the
+backbone's ``num_iter`` and ``cfg_schedule``, so that every method of a run generates the
+same way and is measured against the same baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backbones.base import Condition
+from backbones.mar import MARBackbone, reveal_steps
+from decode.continuous_ar import check_continuous_sampling
+from decode.result import GenerationResult
+from decode.sampling import SamplingConfig
+
+
+@torch.inference_mode()
+def generate_masked(
+    backbone: MARBackbone,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """One image per class id with MAR's own sampler; a pass per step that reveals tokens (guided twins batched)."""
+    check_continuous_sampling(sampling)
+    if condition.class_ids is None:
+        raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
+    grid = backbone.geometry
+    tokens = backbone.sample(
+        condition.class_ids,
+        num_iter=backbone.num_iter,
+        cfg_scale=sampling.cfg_scale,
+        cfg_schedule=backbone.cfg_schedule,
+        temperature=sampling.temperature,
+        generator=generator,
+    )
+    passes = len(reveal_steps(backbone.seq_len, backbone.num_iter))
+    return GenerationResult(tokens.view(-1, grid.rows, grid.cols, backbone.token_dim), forward_passes=passes)
