@@ -200,6 +200,11 @@ def build_corpus(
     others are generating by reading the directory, never through a collective.
     With ``generate=False`` it only waits (another job builds the corpus).
     """
+    if spec.store_hidden and is_continuous(backbone):
+        raise ValueError(
+            f"data.spec.store_hidden=true records hidden states for the SSD heads of discrete backbones; the corpus "
+            f"of {backbone.name} (continuous tokens) stores tokens only: set data.spec.store_hidden=false"
+        )
     directory = Path(directory)
     manifest = _open_manifest(directory, spec, backbone.identity())
     checksums = manifest.get("checksums", False)  # corpora built before checksums have none to require
@@ -311,12 +316,14 @@ def _generate_shard(
 ) -> None:
     """Generate one shard from its own seed, written atomically; `heartbeat` after every batch."""
     from decode.ar import generate_ar  # the baseline generator is the corpus generator
+    from decode.continuous_ar import generate_continuous_ar
     from decode.sampling import SamplingConfig
 
     sampling = SamplingConfig(
         cfg_scale=spec.cfg_scale, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p
     )
     device = next(backbone.parameters()).device
+    continuous = is_continuous(backbone)
     condition = _shard_condition(spec, shard)
     generator = torch.Generator(device=device).manual_seed(spec.seed * 100_003 + shard)
     # Class ids: consecutive batches. Prompts: batches of equal token length, possibly out of image order;
@@ -328,7 +335,10 @@ def _generate_shard(
         for indices, batch in batches:
             if batch.class_ids is not None:
                 batch = Condition(class_ids=batch.class_ids.to(device))
-            result = generate_ar(backbone, batch, sampling, generator, record_hidden=spec.store_hidden)
+            if continuous:
+                result = generate_continuous_ar(backbone, batch, sampling, generator)
+            else:
+                result = generate_ar(backbone, batch, sampling, generator, record_hidden=spec.store_hidden)
             for j, index in enumerate(indices.tolist()):
                 cond = (
                     {"class_id": int(condition.class_ids[index])}
@@ -337,7 +347,7 @@ def _generate_shard(
                 )
                 sample = {
                     "__key__": f"{shard * spec.shard_size + index:08d}",
-                    "tokens.npy": _npy_bytes(result.tokens[j].flatten().cpu().numpy().astype(np.int16)),
+                    "tokens.npy": _npy_bytes(_token_array(result.tokens[j], continuous)),
                     "cond.json": json.dumps(cond).encode(),
                 }
                 if spec.store_hidden:
@@ -356,6 +366,18 @@ def _generate_shard(
     atomic_write_text(checksum_path(path), f"{file_sha256(path)} {spec.digest(backbone.identity())}")
     if progress is not None:
         progress.shard_done(shard)
+
+
+def is_continuous(backbone) -> bool:
+    """A continuous-token backbone (diffusion-head tokens): its corpus stores token vectors, not ids."""
+    return getattr(backbone, "token_kind", "discrete") == "continuous"
+
+
+def _token_array(tokens: torch.Tensor, continuous: bool) -> np.ndarray:
+    """One image's tokens as stored: ids (N,) int16, or vectors (N, token_dim) float32."""
+    if continuous:
+        return tokens.reshape(-1, tokens.shape[-1]).float().cpu().numpy()
+    return tokens.flatten().cpu().numpy().astype(np.int16)
 
 
 def batch_condition(batch: dict) -> Condition:
@@ -428,8 +450,9 @@ class CorruptShardError(RuntimeError):
 
 
 def sample_expectations(directory: Path) -> dict | None:
-    """What every sample of a corpus must hold (from its manifest): tokens (N,) below the codebook size, and
-    hidden states (twins, N, H) exactly when the corpus stores them. None for a folder without a manifest."""
+    """What every sample of a corpus must hold (from its manifest): tokens (N,) below the codebook size (a
+    continuous backbone's: finite vectors (N, token_dim)), and hidden states (twins, N, H) exactly when the
+    corpus stores them. None for a folder without a manifest."""
     manifest_path = Path(directory) / MANIFEST
     if not manifest_path.is_file():
         return None
@@ -438,7 +461,9 @@ def sample_expectations(directory: Path) -> dict | None:
     tokens = backbone["geometry"]["rows"] * backbone["geometry"]["cols"]
     twins = 2 if spec["cfg_scale"] != 1.0 else 1
     hidden = (twins, tokens, backbone["hidden_size"]) if spec["store_hidden"] else None
-    return {"num_tokens": tokens, "codebook_size": backbone["codebook_size"], "hidden": hidden}
+    token_dim = backbone.get("token_dim") if backbone.get("codebook_size") is None else None
+    shape = (tokens, token_dim) if token_dim else (tokens,)
+    return {"token_shape": shape, "codebook_size": backbone.get("codebook_size"), "hidden": hidden}
 
 
 def _decode_sample(sample: dict, expected: dict | None = None) -> dict:
@@ -447,7 +472,9 @@ def _decode_sample(sample: dict, expected: dict | None = None) -> dict:
     advice = f"delete that shard and rerun the training command: the corpus build regenerates {REGENERATES}"
     try:
         cond = json.loads(sample["cond.json"])
-        out = {"tokens": torch.from_numpy(np.load(io.BytesIO(sample["tokens.npy"])).astype(np.int64))}
+        array = np.load(io.BytesIO(sample["tokens.npy"]))
+        array = array.astype(np.float32 if np.issubdtype(array.dtype, np.floating) else np.int64)
+        out = {"tokens": torch.from_numpy(array)}
         if "prompt" in cond:  # a str: default collation makes a batch's prompts a list
             out["prompt"] = str(cond["prompt"])
         else:
@@ -465,10 +492,17 @@ def _decode_sample(sample: dict, expected: dict | None = None) -> dict:
 
 def _sample_problem(sample: dict, expected: dict) -> str | None:
     """What is wrong with a decoded sample against the corpus's expectations, or None."""
-    tokens = sample["tokens"]
-    if tokens.shape != (expected["num_tokens"],):
-        return f"{tuple(tokens.shape)} tokens where the backbone's grid has {expected['num_tokens']}"
-    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < expected["codebook_size"]:
+    tokens, shape = sample["tokens"], tuple(expected["token_shape"])
+    if tuple(tokens.shape) != shape:
+        return f"tokens of shape {tuple(tokens.shape)} where the backbone's grid has {shape}"
+    if len(shape) == 2:  # continuous token vectors
+        if tokens.is_floating_point() and not bool(torch.isfinite(tokens).all()):
+            return "non-finite token values"
+        if not tokens.is_floating_point():
+            return "token ids where the backbone's tokens are vectors"
+    elif tokens.is_floating_point():
+        return "token vectors where the backbone's tokens are ids"
+    elif len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < expected["codebook_size"]:
         return f"token ids outside the codebook's 0..{expected['codebook_size'] - 1}"
     hidden = sample.get("hidden")
     if (hidden is None) != (expected["hidden"] is None):

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,10 +64,16 @@ class CSpDConfig:
     tau: float = 1.0  # 1: exact. The reference code's relaxed test widens both Gaussians by 42 (not lossless)
     reference_correction: bool = False  # the reference's factor exp(sum log std_p - sum log std_q) (not lossless)
     trajectory_alignment: bool = True  # drafter and backbone share every trajectory's noise
+    # The drafter's own guidance. None: what its export says (`CSpDDrafterConfig.guidance_scale`; else the run's,
+    # for a drafter trained on data); 1.0: none, for a drafter self-distilled on the backbone's guided samples.
+    drafter_cfg_scale: float | None = None
 
     def __post_init__(self):
         if self.gamma < 1:
             raise ValueError(f"cspd gamma must be >= 1, got {self.gamma}")
+        scale = self.drafter_cfg_scale
+        if scale is not None and not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"cspd drafter_cfg_scale must be a finite number >= 0 or null, got {scale}")
         check_verification(self.prefill_fraction, self.tau, "cspd")
 
 
@@ -130,7 +136,8 @@ def generate_cspd(
     `noise` (B, N, noise_steps, token_dim) replays given trajectory noise (drawn from `generator` by default);
     with the same noise and a drafter equal to the backbone every draft is accepted.
     """
-    draft_state, _ = drafter.prefill(condition, sampling.guided)
+    draft_cfg = sampling.cfg_scale if settings.drafter_cfg_scale is None else settings.drafter_cfg_scale
+    draft_state, _ = drafter.prefill(condition, draft_cfg != 1.0)
     own_noise = None
 
     def draft(run: Speculation, pending: int) -> DraftRound:
@@ -142,7 +149,7 @@ def generate_cspd(
                 own_noise = run.backbone.draw_noise(*run.noise.shape[:2], run.generator, run.noise.device)
             noise_of_drafts = own_noise
         count = min(settings.gamma, run.tokens.shape[1] - 1 - pending)
-        return _draft_sequential(drafter, draft_state, run, pending, count, noise_of_drafts)
+        return _draft_sequential(drafter, draft_state, run, pending, count, noise_of_drafts, draft_cfg)
 
     def rollback(last: int) -> None:
         drafter.rollback(draft_state, min(last, draft_state.num_image_tokens))
@@ -242,16 +249,16 @@ def speculate(
     )
 
 
-def _draft_sequential(drafter, state, run: Speculation, pending: int, count: int, noise) -> DraftRound:
-    """3. `count` drafts after position `pending`, sampled one by one by the drafter on the given noise."""
+def _draft_sequential(drafter, state, run: Speculation, pending: int, count: int, noise, cfg: float) -> DraftRound:
+    """3. `count` drafts after position `pending`, sampled one by one by the drafter (guided at `cfg`) on the
+    given noise."""
     sampling, tokens = run.sampling, run.tokens
     hidden = drafter.step(state, tokens[:, state.num_image_tokens : pending + 1])  # what the drafter lacks
     drafts = []
     for j in range(count):
         position = pending + 1 + j
-        drawn = drafter.sample_tokens(
-            state, hidden[:, -1:], noise[:, position : position + 1], sampling.cfg_scale, sampling.temperature
-        )
+        noise_here = noise[:, position : position + 1]
+        drawn = drafter.sample_tokens(state, hidden[:, -1:], noise_here, cfg, sampling.temperature)
         drafts.append(drawn)
         if j + 1 < count:
             hidden = drafter.step(state, drawn.tokens)
@@ -259,6 +266,8 @@ def _draft_sequential(drafter, state, run: Speculation, pending: int, count: int
 
 
 def _generate(backbone, drafter, condition, sampling, generator, settings: CSpDConfig) -> GenerationResult:
+    if settings.drafter_cfg_scale is None:
+        settings = replace(settings, drafter_cfg_scale=drafter.config.guidance_scale)
     return generate_cspd(backbone, drafter.model, condition, sampling, generator, settings)
 
 

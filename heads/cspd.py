@@ -40,11 +40,16 @@ class CSpDDrafterConfig:
     intermediate_size: int = 256
     head_width: int = 128
     head_depth: int = 1  # a third of the backbone's diffusion blocks: the drafter samples every token itself
+    # The guidance it drafts with (decode/cspd.py). None: the run's, for a drafter trained on data with class
+    # dropout; 1.0 (none): a drafter self-distilled on the backbone's guided samples has learnt them directly.
+    guidance_scale: float | None = None
 
     def __post_init__(self):
         self.model_config()  # the architecture's own checks, at construction
 
     def model_config(self) -> ContinuousDigitsConfig:
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise ValueError(f"cspd drafter guidance_scale must be >= 0 or null, got {self.guidance_scale}")
         return ContinuousDigitsConfig(
             image_size=self.image_size,
             patch_size=self.patch_size,

@@ -205,13 +205,20 @@ def continuous_classifier_cache(tmp_path_factory):
     return directory
 
 
-def tiny_continuous_experiment(experiment: str, export, tmp_path, checkpoints_dir) -> list[str]:
-    """Overrides that run a continuous experiment end to end in seconds: tiny backbone and data, 3 steps, a
-    sample grid at step 2, a 2-image evaluation scored by the 8x8 classifier in `checkpoints_dir`."""
+# A corpus of 32 of the tiny backbone's own samples (one training shard, one held out), generated in seconds.
+TINY_CONTINUOUS_CORPUS = [
+    "data.spec.num_images=32", "data.spec.shard_size=16", "data.spec.batch_size=16", "data.batch_size=4",
+]  # fmt: skip
+
+
+def tiny_continuous_experiment(experiment: str, export, tmp_path, checkpoints_dir, data=None) -> list[str]:
+    """Overrides that run a continuous experiment end to end in seconds: tiny backbone and data (`data`, default
+    the tiny digits patches), 3 steps, a sample grid at step 2, a 2-image evaluation scored by the 8x8 classifier
+    in `checkpoints_dir`."""
     return [
         f"+experiment={experiment}",
         "backbone=digits_continuous_tiny",
-        "data=digits_continuous_tiny",
+        *(data if data is not None else ["data=digits_continuous_tiny"]),
         "trainer=debug",
         "trainer.max_steps=3",
         "trainer.limit_val_batches=1",
@@ -231,11 +238,18 @@ def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classif
     from train.pipeline import run_training
 
     export = tmp_path / "export"
-    tiny = tiny_continuous_experiment("cspd_digits", export, tmp_path, continuous_classifier_cache)
+    tiny = tiny_continuous_experiment(
+        "cspd_digits", export, tmp_path, continuous_classifier_cache, data=TINY_CONTINUOUS_CORPUS
+    )
     metrics = run_training(compose_config(tiny, tmp_path / "run"))
     assert metrics["train/diffusion_loss"] > 0
     drafter = load_heads(export, kind="cspd")
     assert drafter.config.hidden_size == 96 and drafter.config.sampling_steps == 4  # the backbone's steps
+    assert drafter.config.guidance_scale == 1.0  # self-distilled on guided samples: it drafts unguided
+    # ... from the backbone's own generations: a corpus of token vectors, built on first use.
+    (corpus,) = (tmp_path / "corpora").iterdir()
+    manifest = json.loads((corpus / "corpus.json").read_text())
+    assert manifest["complete"] and manifest["backbone"]["token_dim"] == 4 and not manifest["spec"]["store_hidden"]
     assert (tmp_path / "run" / "samples" / "step_000002.png").is_file()
     report = json.loads((tmp_path / "run" / "evaluation" / "metrics.json").read_text())
     assert report["methods"]["cspd"]["lossless"] and not report["methods"]["cspd_relaxed"]["lossless"]
@@ -348,3 +362,50 @@ def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_cl
     rows = report["methods"]["cspd_rows"]
     assert rows["lossless"] and rows["forward_passes_per_image"] <= 16
     assert report["methods"]["ar"]["forward_passes_per_image"] == 16
+
+
+# ---- the self-distillation corpus ---------------------------------------------------------------------------
+
+
+def test_continuous_corpus_holds_the_backbones_own_samples(tmp_path):
+    from data.corpus import CorpusSpec, _class_ids_for_shard, build_corpus, corpus_dataset, shard_name
+
+    backbone = tiny_continuous()
+    spec = CorpusSpec(num_images=8, shard_size=4, batch_size=4, store_hidden=False)
+    directory = build_corpus(backbone, tmp_path / "corpus", spec)
+    samples = list(corpus_dataset(directory, [shard_name(0)], split_by_rank=False))
+    stored = torch.stack([sample["tokens"] for sample in samples])
+    assert stored.dtype == torch.float32 and stored.shape == (4, 16, 4)  # (images, tokens, token_dim)
+    # Shard 0 is the baseline generator's output for its classes, from the shard's own seed.
+    classes = _class_ids_for_shard(spec, 0)
+    assert [int(sample["class_id"]) for sample in samples] == classes.tolist()
+    sampling = SamplingConfig(cfg_scale=spec.cfg_scale)
+    again = generate_continuous_ar(backbone, Condition(class_ids=classes), sampling, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(stored, again.tokens.view(4, 16, 4).float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="store_hidden=false"):
+        build_corpus(backbone, tmp_path / "other", CorpusSpec(num_images=4, shard_size=4, store_hidden=True))
+
+
+def test_a_distilled_drafter_drafts_unguided(monkeypatch):
+    """`guidance_scale` 1.0 in its export: no CFG twins in the drafter's cache, whatever the run's CFG."""
+    from heads.cspd import CSpDDrafter, CSpDDrafterConfig
+
+    backbone = tiny_continuous()
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, head_width=32)
+    drafter = CSpDDrafter(CSpDDrafterConfig.for_backbone(backbone, guidance_scale=1.0, **sizes)).eval()
+    seen = []
+    original = drafter.model.prefill
+    monkeypatch.setattr(drafter.model, "prefill", lambda c, guided: seen.append(guided) or original(c, guided))
+    from decode.cspd import METHOD
+
+    result = METHOD.generate(
+        backbone, drafter, Condition(class_ids=torch.tensor([1, 2])), SamplingConfig(cfg_scale=3.0),
+        torch.Generator().manual_seed(0), CSpDConfig(),
+    )  # fmt: skip
+    assert seen == [False] and result.tokens.shape == (2, 4, 4, 4)
+    seen.clear()
+    METHOD.generate(
+        backbone, drafter, Condition(class_ids=torch.tensor([1])), SamplingConfig(cfg_scale=3.0),
+        torch.Generator().manual_seed(0), CSpDConfig(drafter_cfg_scale=3.0),  # the preset's value wins
+    )  # fmt: skip
+    assert seen == [True]

@@ -12,9 +12,16 @@ from backbones.digits_continuous import ContinuousDigitsBackbone, ContinuousDigi
 from train.schedules import warmup_cosine_optimizers
 
 
+def tokens_and_classes(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B, N, D), class ids (B,)) of a batch of the digits patches (a pair) or of a corpus (a dict)."""
+    if isinstance(batch, dict):
+        return batch["tokens"], batch["class_id"]
+    return batch
+
+
 def diffusion_training_loss(model: ContinuousDigitsBackbone, batch, class_dropout: float, repeats: int) -> torch.Tensor:
     """MAR's diffusion loss on every token of a (tokens (B, N, D), class ids (B,)) batch, with class dropout."""
-    tokens, class_ids = batch
+    tokens, class_ids = tokens_and_classes(batch)
     # Class dropout teaches the null class, the unconditional twin of classifier-free guidance.
     dropped = torch.rand(class_ids.shape, device=class_ids.device) < class_dropout
     class_ids = torch.where(dropped, torch.full_like(class_ids, model.config.null_class), class_ids)
@@ -23,7 +30,7 @@ def diffusion_training_loss(model: ContinuousDigitsBackbone, batch, class_dropou
 
 def diffusion_validation_loss(model: ContinuousDigitsBackbone, batch, batch_idx: int) -> torch.Tensor:
     """The diffusion loss of a validation batch at steps and noise fixed by the batch's index (comparable curves)."""
-    tokens, class_ids = batch
+    tokens, class_ids = tokens_and_classes(batch)
     generator = torch.Generator(device=tokens.device).manual_seed(batch_idx)
     z = model.condition(model.teacher_forced_hidden_states(tokens, class_ids)).flatten(0, 1)
     return model.diffusion.loss(z, tokens.flatten(0, 1), generator=generator).mean()

@@ -64,8 +64,9 @@ class CSpDDrafterTraining(pl.LightningModule):
         self.drafter.eval()
         condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
         generator = torch.Generator(device=self.device).manual_seed(0)
+        settings = CSpDConfig(drafter_cfg_scale=self.drafter.config.guidance_scale)
         result = generate_cspd(
-            self.backbone, self.drafter.model, condition, SamplingConfig(cfg_scale=3.0), generator, CSpDConfig()
+            self.backbone, self.drafter.model, condition, SamplingConfig(cfg_scale=3.0), generator, settings
         )
         self.drafter.train(was_training)
         figures = {
