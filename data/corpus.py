@@ -494,7 +494,9 @@ def _sample_problem(sample: dict, expected: dict) -> str | None:
     """What is wrong with a decoded sample against the corpus's expectations, or None."""
     tokens, shape = sample["tokens"], tuple(expected["token_shape"])
     if tuple(tokens.shape) != shape:
-        return f"tokens of shape {tuple(tokens.shape)} where the backbone's grid has {shape}"
+        if len(shape) == 1:
+            return f"{tuple(tokens.shape)} tokens where the backbone's grid has {shape[0]}"
+        return f"tokens of shape {tuple(tokens.shape)} where the backbone's grid has {shape} (tokens, token_dim)"
     if len(shape) == 2:  # continuous token vectors
         if tokens.is_floating_point() and not bool(torch.isfinite(tokens).all()):
             return "non-finite token values"
