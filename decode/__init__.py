@@ -5,12 +5,14 @@ Public API (stable; use it from your own scripts)::
     from decode import Condition, SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
     from decode import MuLoDecodeConfig, generate_mulo
     from decode import CSpDConfig, generate_continuous_ar, generate_cspd   # continuous-token backbones
+    from decode import CSpDMARConfig, generate_cspd_mar                   # MAR (backbones.mar.load_mar_backbone)
 """
 
 from backbones.base import Condition
 from decode.ar import generate_ar
 from decode.continuous_ar import generate_continuous_ar
 from decode.cspd import CSpDConfig, generate_cspd
+from decode.cspd_mar import CSpDMARConfig, generate_cspd_mar
 from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
@@ -18,6 +20,7 @@ from decode.ssd import SSDDecodeConfig, generate_ssd
 
 __all__ = [
     "CSpDConfig",
+    "CSpDMARConfig",
     "Condition",
     "GenerationResult",
     "MuLoDecodeConfig",
@@ -26,6 +29,7 @@ __all__ = [
     "generate_ar",
     "generate_continuous_ar",
     "generate_cspd",
+    "generate_cspd_mar",
     "generate_mulo",
     "generate_ssd",
 ]
