@@ -126,7 +126,11 @@ def _checked_method(name: str, preset: DictConfig) -> Method:
     if spec.artefact is not None:
         artefact_path = values.pop(spec.artefact, None)
         if not artefact_path:
-            raise ValueError(f"{where}.{spec.artefact} is not set: give the export {module_name} decodes with")
+            # The preset usually reads a run-wide key (drafter: ${decode.mar_drafter}): name the key to set.
+            raw = OmegaConf.to_container(preset, resolve=False).get(spec.artefact)
+            key = raw[2:-1] if isinstance(raw, str) and raw.startswith("${") and raw.endswith("}") else None
+            advice = f"set {key}=PATH (or {where}.{spec.artefact}=PATH)" if key else f"set {where}.{spec.artefact}=PATH"
+            raise ValueError(f"{where}.{spec.artefact} is not set: give what {module_name} decodes with; {advice}")
     return Method(name, module_name, spec, settings_from(spec.settings, values, where), artefact_path)
 
 

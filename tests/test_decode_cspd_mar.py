@@ -264,3 +264,13 @@ def test_baseline_reveals_by_the_backbones_schedule(target):
     result = generate_masked(model, Condition(class_ids=torch.tensor([2])), sampling, torch.Generator().manual_seed(4))
     own = model.sample(torch.tensor([2]), 5, 2.0, "constant", generator=torch.Generator().manual_seed(4))
     assert torch.equal(result.tokens.view(1, SEQ, DIM), own) and result.forward_passes == 5
+
+
+def test_a_missing_drafter_names_the_key_to_set():
+    from conftest import compose_config
+
+    from decode.registry import check_methods
+
+    cfg = compose_config(["+experiment=cspd_mar", "backbone=mar_tiny"], "/tmp/unused")  # decode.mar_drafter: null
+    with pytest.raises(ValueError, match=r"drafter is not set.*set decode\.mar_drafter=PATH"):
+        check_methods(cfg.decode)
