@@ -498,10 +498,10 @@ def _sample_problem(sample: dict, expected: dict) -> str | None:
             return f"{tuple(tokens.shape)} tokens where the backbone's grid has {shape[0]}"
         return f"tokens of shape {tuple(tokens.shape)} where the backbone's grid has {shape} (tokens, token_dim)"
     if len(shape) == 2:  # continuous token vectors
-        if tokens.is_floating_point() and not bool(torch.isfinite(tokens).all()):
-            return "non-finite token values"
         if not tokens.is_floating_point():
             return "token ids where the backbone's tokens are vectors"
+        if not bool(torch.isfinite(tokens).all()):
+            return "non-finite token values"
     elif tokens.is_floating_point():
         return "token vectors where the backbone's tokens are ids"
     elif len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < expected["codebook_size"]:

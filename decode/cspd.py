@@ -48,6 +48,7 @@ import torch
 
 from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
+from backbones.diffusion_head import DiffusionSample
 from decode.continuous_ar import check_continuous_sampling
 from decode.method import MethodSpec
 from decode.result import GenerationResult
@@ -95,12 +96,10 @@ class DraftRound:
     log_std_sum: torch.Tensor
 
     @classmethod
-    def of(cls, samples: list) -> DraftRound:
+    def of(cls, samples: list[DiffusionSample]) -> DraftRound:
         """Concatenate `DiffusionSample`s (B, t, D) along the position axis."""
-        return cls(*(torch.cat([getattr(s, name) for s in samples], dim=1) for name in _FIELDS))
-
-
-_FIELDS = ("tokens", "final_mean", "final_std", "log_std_sum")
+        joined = DiffusionSample.cat(samples, dim=1)
+        return cls(joined.tokens, joined.final_mean, joined.final_std, joined.log_std_sum)
 
 
 @dataclass

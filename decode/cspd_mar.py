@@ -57,8 +57,8 @@ import torch
 from backbones.base import Condition
 from backbones.diffusion_head import DiffusionSample
 from backbones.mar import MARBackbone, RevealStep, gather_positions, load_mar_backbone, reveal, reveal_steps
-from decode.continuous_ar import check_continuous_sampling
 from decode.cspd import check_verification
+from decode.masked_baseline import masked_class_ids
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import gaussian_acceptance, gaussian_residual_sample
@@ -239,21 +239,24 @@ def _prefix_round(run: _Run, tokens, known, window, bonus, settings: CSpDMARConf
     # [cond rows 0..R-1; uncond rows 0..R-1], each block of B images: the twins' layout of `conditions`.
     all_tokens, all_known = torch.cat(row_tokens), torch.cat(row_known)
     z = target.conditions(all_tokens.repeat(twins, 1, 1), all_known.repeat(twins, 1), stacked_classes)
+    z = z.view(twins, rows, batch, target.seq_len, -1)
     counts["passes"] += 1
     counts["verify_rows"] += rows
     # Every row's own step's positions, flattened as the diffusion head takes them ([cond; uncond]).
-    picked, scales, noises = [], [], []
-    for r, step in enumerate(row_steps):
-        positions = run.positions(step)
-        for twin in range(twins):
-            block = z[(twin * rows + r) * batch : (twin * rows + r + 1) * batch]
-            picked.append((twin, block.gather(1, positions[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1)))
-        noises.append(gather_positions(run.noise, positions).flatten(0, 1))
-        scales.append(torch.full((positions.numel(), 1), step.cfg_scale, device=z.device, dtype=z.dtype))
-    conditions = torch.cat([zz for twin, zz in picked if twin == 0] + [zz for twin, zz in picked if twin == 1])
+    positions = [run.positions(step) for step in row_steps]
+    conditions = torch.cat(
+        [gather_positions(z[t, r], at).flatten(0, 1) for t in range(twins) for r, at in enumerate(positions)]
+    )
+    noises = torch.cat([gather_positions(run.noise, at).flatten(0, 1) for at in positions])
+    scales = torch.cat(
+        [
+            torch.full((at.numel(), 1), step.cfg_scale, device=z.device, dtype=z.dtype)
+            for at, step in zip(positions, row_steps)
+        ]
+    )
     # One diffusion run for every row's tokens, each at its own step's guidance: (1, sum_r B * n_r, D).
-    sampled = target.sample_positions(conditions, torch.cat(noises)[None], torch.cat(scales), run.temperature)
-    per_row = _split_rows(sampled.map(lambda value: value[0]), [run.positions(s).shape[1] for s in row_steps], batch)
+    sampled = target.sample_positions(conditions, noises[None], scales, run.temperature)
+    per_row = _split_rows(sampled, [at.shape[1] for at in positions], batch)
 
     committed = len(window)
     rejected_at = torch.full((batch,), len(window), device=tokens.device)
@@ -297,11 +300,11 @@ def _window_round(run: _Run, tokens, known, window, settings: CSpDMARConfig, cou
 
 
 def _split_rows(sampled: DiffusionSample, counts: list[int], batch: int) -> list[DiffusionSample]:
-    """The flat (sum_r B * n_r, D) sample of all rows back into one (B, n_r, D) sample per row."""
+    """The (1, sum_r B * n_r, D) sample of all rows back into one (B, n_r, D) sample per row."""
     out, start = [], 0
     for count in counts:
         size = batch * count
-        out.append(sampled.map(lambda value, s=start, size=size, n=count: value[s : s + size].view(batch, n, -1)))
+        out.append(sampled.map(lambda value, s=start, size=size, n=count: value[0, s : s + size].view(batch, n, -1)))
         start += size
     return out
 
@@ -334,11 +337,9 @@ def load_mar_drafter(path, backbone: MARBackbone, device=None, kind: str = "cspd
 
 
 def _generate(backbone, drafter, condition: Condition, sampling: SamplingConfig, generator, settings):
-    check_continuous_sampling(sampling)
-    if condition.class_ids is None:
-        raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
+    class_ids = masked_class_ids(backbone, condition, sampling)
     return generate_cspd_mar(
-        backbone, drafter, condition.class_ids, settings, backbone.num_iter, sampling.cfg_scale,
+        backbone, drafter, class_ids, settings, backbone.num_iter, sampling.cfg_scale,
         backbone.cfg_schedule, sampling.temperature, generator=generator,
     )  # fmt: skip
 

@@ -16,6 +16,14 @@ from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 
 
+def masked_class_ids(backbone: MARBackbone, condition: Condition, sampling: SamplingConfig) -> torch.Tensor:
+    """The class ids of a run on MAR, its sampling checked (CFG and temperature only); every MAR method's check."""
+    check_continuous_sampling(sampling)
+    if condition.class_ids is None:
+        raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
+    return condition.class_ids
+
+
 @torch.inference_mode()
 def generate_masked(
     backbone: MARBackbone,
@@ -24,12 +32,10 @@ def generate_masked(
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """One image per class id with MAR's own sampler; a pass per step that reveals tokens (guided twins batched)."""
-    check_continuous_sampling(sampling)
-    if condition.class_ids is None:
-        raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
+    class_ids = masked_class_ids(backbone, condition, sampling)
     grid = backbone.geometry
     tokens = backbone.sample(
-        condition.class_ids,
+        class_ids,
         num_iter=backbone.num_iter,
         cfg_scale=sampling.cfg_scale,
         cfg_schedule=backbone.cfg_schedule,

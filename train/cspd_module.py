@@ -58,16 +58,15 @@ class CSpDDrafterTraining(pl.LightningModule):
     def sample_images(self, num_images: int) -> tuple[torch.Tensor, dict]:
         """CSpD samples with the drafter as it is now, at CFG 3 (for SampleGrid), with its acceptance."""
         from decode import Condition, SamplingConfig
-        from decode.cspd import CSpDConfig, generate_cspd
+        from decode.cspd import METHOD, CSpDConfig
 
         was_training = self.drafter.training
         self.drafter.eval()
         condition = Condition(class_ids=torch.arange(num_images, device=self.device) % 10)
         generator = torch.Generator(device=self.device).manual_seed(0)
-        settings = CSpDConfig(drafter_cfg_scale=self.drafter.config.guidance_scale)
-        result = generate_cspd(
-            self.backbone, self.drafter.model, condition, SamplingConfig(cfg_scale=3.0), generator, settings
-        )
+        # As `python -m decode` runs it (the drafter's own guidance from its config).
+        sampling = SamplingConfig(cfg_scale=3.0)
+        result = METHOD.generate(self.backbone, self.drafter, condition, sampling, generator, CSpDConfig())
         self.drafter.train(was_training)
         figures = {
             "forward_passes_per_image": result.forward_passes,
