@@ -22,8 +22,10 @@ way (on logits for Janus/LlamaGen, on log-probabilities for Emu3/Lumina-mGPT).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -217,9 +219,59 @@ class ARImageBackbone(nn.Module, ABC):
         `flat_tokens` are codebook ids, with -1 where the family's end-of-line token goes.
         """
 
-    @abstractmethod
+    # True: the final norm and the image head compute in float32 when the model is in half precision, on float32
+    # copies (0.5 GB for Emu3's 32,768 x 4,096 image rows). Off by default, measured (tests/test_lossless_bf16.py):
+    # on the bf16 16x16 Lumina/Janus/Emu3 it halves how much a position's guided scores depend on the length of the
+    # pass that computes them, but the transformer layers' bf16 products dominate what is left, and greedy
+    # speculative decoding leaves greedy AR as often as with the model's own bf16 head (always at rounding ties).
+    float32_head: bool = False
+
+    final_norm: nn.Module  # the model's last norm, applied before the image head
+
+    def image_head_weight(self) -> torch.Tensor:
+        """(codebook_size, hidden): the output projection's rows for image tokens, in codebook order.
+
+        Families whose image head is not one linear map override `image_head` and `float32_image_head` instead.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no linear image head")
+
+    def image_head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The image head in the model's own dtype: normed hidden states (..., hidden) -> (..., codebook_size)."""
+        return nn.functional.linear(normed, self.image_head_weight())
+
+    def float32_image_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A float32 copy of `image_head` (only the image rows of the output projection are copied)."""
+        weight = self.image_head_weight().detach().float().clone()
+        return lambda normed: nn.functional.linear(normed, weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + image head restricted to image tokens: (..., hidden) -> (..., codebook_size)."""
+        """Final norm + image head restricted to image tokens: (..., hidden) -> (..., codebook_size).
+
+        In float32 when `float32_head` is set and the model is in another dtype: the norm and the head then run on
+        float32 copies, built on first use and rebuilt when the model moves or its final norm's weights change
+        (the backbone is frozen; change its weights only through `load_state_dict` or `.to`, which both see).
+        """
+        if not self.float32_head or next(self.final_norm.parameters()).dtype == torch.float32:
+            return self.native_logits(hidden)
+        norm, head = self._float32_head_copies()
+        return head(norm(hidden.float()))
+
+    def native_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` as the model computes them, in its own dtype (what its own generation code does)."""
+        return self.image_head(self.final_norm(hidden))
+
+    def _float32_head_copies(self, keep: bool = True) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+        """Float32 copies of the final norm and the image head; `keep`: cached for the next call."""
+        # Kept out of the module tree (object.__setattr__): `.to(bfloat16)` must not cast the copies, and the state
+        # dict must not carry them. The key sees `.to(...)` (new storage) and `load_state_dict` (version bump).
+        key = tuple((p.device, p.data_ptr(), p._version) for p in self.final_norm.parameters())
+        cached = self.__dict__.get("_float32_head_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, copy.deepcopy(self.final_norm).float(), self.float32_image_head())
+            if keep:
+                object.__setattr__(self, "_float32_head_cache", cached)
+        return cached[1], cached[2]
 
     @abstractmethod
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -381,11 +433,17 @@ class ARImageBackbone(nn.Module, ABC):
         }
 
     def weights_fingerprint(self) -> str:
-        """A short hash of the output side of the model (cheap even for 8B models)."""
+        """A short hash of the output side of the model (cheap even for 8B models).
+
+        Computed in float32 on float32 copies of the final norm and image head, so the same weights give the same
+        fingerprint in any dtype they are loaded in (a bf16 checkpoint in bf16 or float32): heads trained in one
+        load in the other.
+        """
         hidden = torch.zeros(1, self.hidden_size, device=self._device())
         hidden[0, : min(8, self.hidden_size)] = 1.0
         with torch.no_grad():
-            probe = self.logits(hidden).float().cpu().numpy().round(4)
+            norm, head = self._float32_head_copies(keep=self.float32_head)
+            probe = head(norm(hidden)).cpu().numpy().round(4)
         return hashlib.sha1(probe.tobytes()).hexdigest()[:12]
 
     def _device(self) -> torch.device:

@@ -169,8 +169,12 @@ class DigitsBackbone(ARImageBackbone):
         out = self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional)
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    def image_head_weight(self) -> torch.Tensor:
+        return self.head.weight
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embed(tokens)

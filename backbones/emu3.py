@@ -211,10 +211,9 @@ class Emu3Backbone(ARImageBackbone):
         """Codebook ids (and -1 for end-of-line) -> Emu3 vocabulary ids."""
         return self._codebook_to_vocab[tokens.long()]  # -1 indexes the last entry: the EOL token
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def image_head_weight(self) -> torch.Tensor:
         weight = self.model.lm_head.weight
-        weight = weight[self._visual_slice] if self._visual_slice is not None else weight[self._codebook_to_vocab[:-1]]
-        return nn.functional.linear(self.final_norm(hidden), weight)
+        return weight[self._visual_slice] if self._visual_slice is not None else weight[self._codebook_to_vocab[:-1]]
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(self.vocab_ids(tokens))
@@ -238,6 +237,7 @@ def load_emu3_backbone(
     trust_remote_code: bool = False,
     rows: int = DEFAULT_GRID,
     cols: int = DEFAULT_GRID,
+    float32_head: bool = False,
 ) -> Emu3Backbone:
     """Hydra entry point: frozen Emu3-Gen from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
@@ -249,6 +249,7 @@ def load_emu3_backbone(
         name=display_name(directory, MODEL_ID),
         processor=load_processor(directory, trust_remote_code),
     )
+    backbone.float32_head = float32_head
     return backbone.to(device).eval().requires_grad_(False)
 
 

@@ -23,6 +23,8 @@ token, mixed on logits as ``u + s * (c - u)`` (transformers'
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import (
@@ -158,8 +160,11 @@ class JanusBackbone(ARImageBackbone):
         out = self.model.model.language_model(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional)
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.model.generation_head(self.final_norm(hidden))
+    def image_head(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.model.model.generation_head(normed)  # an MLP (projector, GELU, vocabulary head)
+
+    def float32_image_head(self):
+        return copy.deepcopy(self.model.model.generation_head).float()
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.prepare_embeddings_for_image_generation(tokens)
@@ -199,7 +204,11 @@ def _first(value):
 
 
 def load_janus_backbone(
-    path: str, device: str = "cpu", dtype: str = "bfloat16", trust_remote_code: bool = False
+    path: str,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    trust_remote_code: bool = False,
+    float32_head: bool = False,
 ) -> JanusBackbone:
     """Hydra entry point: frozen Janus-Pro from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
@@ -207,6 +216,7 @@ def load_janus_backbone(
     backbone = JanusBackbone(
         model, name=display_name(directory, MODEL_ID), processor=load_processor(directory, trust_remote_code)
     )
+    backbone.float32_head = float32_head
     return backbone.to(device).eval().requires_grad_(False)
 
 

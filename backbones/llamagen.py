@@ -342,8 +342,12 @@ class LlamaGenBackbone(ARImageBackbone):
     def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
         return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache, slots, visible)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.output(self.model.norm(hidden))
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def image_head_weight(self) -> torch.Tensor:
+        return self.model.output.weight
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(tokens)
@@ -547,6 +551,7 @@ def load_llamagen_backbone(
     device: str = "cuda",
     dtype: str = "bfloat16",
     trust_pickle: bool = False,
+    float32_head: bool = False,
 ) -> LlamaGenBackbone:
     """Hydra entry point: a frozen LlamaGen c2i GPT from an official checkpoint file (e.g. c2i_XL_384.pt).
 
@@ -569,6 +574,7 @@ def load_llamagen_backbone(
     state = _unwrap(_load_checkpoint(path, trust_pickle))
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items() if not k.endswith("freqs_cis")}
     backbone.model.load_state_dict(state, strict=True)
+    backbone.float32_head = float32_head
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 

@@ -281,10 +281,9 @@ class LuminaBackbone(ARImageBackbone):
         )
         return out.last_hidden_state
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def image_head_weight(self) -> torch.Tensor:
         weight = self.model.lm_head.weight  # (V, hidden) rows in codebook order:
-        weight = weight[self._image_slice] if self._image_slice is not None else weight[self.codebook_to_vocab]
-        return nn.functional.linear(self.final_norm(hidden), weight)
+        return weight[self._image_slice] if self._image_slice is not None else weight[self.codebook_to_vocab]
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(self.codebook_to_vocab[tokens])
@@ -325,6 +324,7 @@ def load_lumina_backbone(
     pad_token_id: int | None = None,
     uncond: str = "image_header",
     trust_remote_code: bool = False,
+    float32_head: bool = False,
 ) -> LuminaBackbone:
     """Hydra entry point: frozen Lumina-mGPT from a transformers-format Chameleon weights directory."""
     directory = require_weights(
@@ -348,6 +348,7 @@ def load_lumina_backbone(
         uncond=uncond,
         processor=load_processor(directory, trust_remote_code),
     )
+    backbone.float32_head = float32_head
     return backbone.to(device).eval().requires_grad_(False)
 
 

@@ -192,8 +192,8 @@ class TarBackbone(ARImageBackbone):
             raise ValueError(f"codebook ids must lie in [0, {self.codebook_size})")
         return tokens + self.image_token_offset
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(self.final_norm(hidden), self.model.lm_head.weight[self._image_slice])
+    def image_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight[self._image_slice]
 
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(self.vocab_ids(tokens))
@@ -246,6 +246,7 @@ def load_tar_backbone(
     cols: int = DEFAULT_GRID,
     scale: int = 0,
     trust_remote_code: bool = False,
+    float32_head: bool = False,
 ) -> TarBackbone:
     """Hydra entry point: a frozen Tar LLM from a local weights directory (e.g. csuhan/Tar-1.5B).
 
@@ -271,6 +272,7 @@ def load_tar_backbone(
         tokenizer=tokenizer,
         scale=scale,
     )
+    backbone.float32_head = float32_head
     return backbone.to(device).eval().requires_grad_(False)
 
 

@@ -15,7 +15,16 @@ baseline computes them; the same SDPA attention on both paths):
 
 After that position the images are different images (another prefix); a method
 that diverges where the baseline's choice was clear is wrong, and fails here.
+
+The same holds with the final norm and image head in float32 (`float32_head`),
+which is why it is not the default: it halves how much a position's guided scores
+depend on the length of the pass that computes them (16x16 Lumina 0.0083 ->
+0.0036, Janus 0.00067 -> 0.00029, Emu3 0.0048 -> 0.0025), but the transformer
+layers' bf16 products remain, and the greedy methods leave greedy AR as often.
 """
+
+import copy
+import warnings
 
 import pytest
 import torch
@@ -86,8 +95,10 @@ def first_divergence(tokens: torch.Tensor, reference: torch.Tensor) -> list[int 
         pytest.param("emu3_gen_16x16", marks=pytest.mark.slow),
     ],
 )
-def test_greedy_lossless_methods_in_bf16_diverge_only_at_rounding_ties(model):
+@pytest.mark.parametrize("float32_head", [False, True], ids=["bf16_head", "float32_head"])
+def test_greedy_lossless_methods_in_bf16_diverge_only_at_rounding_ties(model, float32_head):
     backbone, condition = tiny_bf16(model)
+    backbone.float32_head = float32_head
     sampling = SamplingConfig(cfg_scale=CFG_SCALE, greedy=True)
     reference, margins, bounds = greedy_ar_with_margins(backbone, condition, CFG_SCALE)
     assert torch.equal(reference, generate_ar(backbone, condition, sampling).tokens.flatten(1))  # the baseline
@@ -114,3 +125,48 @@ def test_greedy_lossless_methods_in_bf16_diverge_only_at_rounding_ties(model):
                 f"{name} on {model}: image {image} leaves greedy AR at position {position}, where AR's top-two "
                 f"margin {margin:.4f} exceeds the bf16 rounding bound {bound:.4f}"
             )
+
+
+@pytest.mark.parametrize("model", ["janus", "emu3", "lumina", "llamagen", "tar"])
+def test_the_float32_head_is_the_models_head_computed_in_float32(model):
+    """`float32_head`: the bf16 model's final norm and image-token rows, in float32, in codebook order; copies
+    that follow `load_state_dict` and stay out of the state dict and the weights fingerprint."""
+    backbone, _ = tiny_bf16(model)
+    hidden = torch.randn(2, 5, backbone.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    native_logits, fingerprint = backbone.logits(hidden), backbone.weights_fingerprint()
+    keys = set(backbone.state_dict())
+    backbone.float32_head = True
+    in_float32 = copy.deepcopy(backbone).float()  # the same bf16 weights, widened
+    expected = in_float32.logits(hidden.float())
+    got = backbone.logits(hidden)
+    assert got.dtype == torch.float32 and native_logits.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, native_logits.float())  # it is not the bf16 head widened afterwards
+    assert set(backbone.state_dict()) == keys and backbone.weights_fingerprint() == fingerprint
+
+    other, _ = tiny_bf16(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(1.5)
+    backbone.load_state_dict(other.state_dict())
+    other.float32_head = True
+    torch.testing.assert_close(backbone.logits(hidden), other.logits(hidden), rtol=0, atol=0)
+    assert not torch.allclose(backbone.logits(hidden), got)
+
+
+@pytest.mark.parametrize("model", ["janus", "emu3", "lumina", "llamagen", "tar"])
+def test_heads_trained_on_bf16_weights_load_on_the_same_weights_in_float32(model, tmp_path):
+    """One fingerprint per set of weights, whatever dtype they are loaded in; other weights are still told apart."""
+    from heads.export import export_heads, load_heads
+
+    backbone, _ = tiny_bf16(model)
+    exported = export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
+    widened = copy.deepcopy(backbone).float()
+    assert widened.weights_fingerprint() == backbone.weights_fingerprint()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "trained on other weights" warning
+        load_heads(exported, widened, kind="ssd")
+    with torch.no_grad():
+        next(iter(widened.final_norm.parameters())).mul_(1.01)
+    with pytest.warns(UserWarning, match="fingerprint differs"):
+        load_heads(exported, widened, kind="ssd")
