@@ -44,6 +44,7 @@ HEAD_KINDS: dict[str, tuple[type[nn.Module], type]] = {
     "cspd": (CSpDDrafter, CSpDDrafterConfig),
     "cspd_rows": (ContinuousRowHeads, SSDHeadConfig),
 }
+HIDDEN_STATE_KINDS = frozenset({"ssd", "eagle", "cspd_rows"})  # heads that run on the backbone's hidden states
 
 
 class HeadsMismatchError(ValueError):
@@ -156,6 +157,10 @@ def load_heads(
             heads.bind(backbone)
         except ValueError as error:
             raise HeadsMismatchError(f"{directory}: {error}") from error
+    if backbone is not None and config["kind"] in HIDDEN_STATE_KINDS:
+        # They read the backbone's hidden states and hand theirs to its image head: in its dtype (bf16 for the real
+        # backbones; trained in float32 or bf16-mixed, whose weights are float32).
+        heads = heads.to(next(backbone.parameters()).dtype)
     return heads.to(device).eval().requires_grad_(False)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, random_ssd_heads
+from conftest import compose_config, random_eagle_head, random_ssd_heads
 
 from backbones.llamagen import VQ16Decoder, random_llamagen_backbone
 from decode.cli import run_decode
@@ -188,3 +188,24 @@ def test_text_to_image_decodes_prompts_with_fid_and_clip(tmp_path, name, build):
         for p in prompts
     ]
     assert np.array_equal(torch.stack(alone).numpy(), tokens)
+
+
+def test_float32_heads_decode_on_a_bf16_backbone(tmp_path, monkeypatch):
+    """The real backbones run in bf16; heads are trained and exported in float32: loading casts them."""
+    import backbones.llamagen
+
+    monkeypatch.setattr(
+        backbones.llamagen, "random_llamagen_backbone", lambda **kwargs: random_llamagen_backbone(**kwargs).bfloat16()
+    )
+    backbone = backbones.llamagen.random_llamagen_backbone(seed=0)
+    heads = export_heads(random_ssd_heads(backbone.hidden_size), tmp_path / "heads", backbone.identity())
+    eagle = export_heads(random_eagle_head(backbone), tmp_path / "eagle", backbone.identity())
+    out = tmp_path / "out"
+    methods = ["ar", "ssd_exact", "ssd_autocorrect", "sjd", "gsd", "zipar", "eagle"]
+    overrides = ["backbone=llamagen_tiny", f"decode.methods=[{','.join(methods)}]", "decode.num_images=4"]
+    overrides += ["decode.greedy=true", "decode.save_tokens=true", f"decode.heads={heads}"]
+    run_decode(compose_config([*overrides, f"decode.eagle_heads={eagle}", f"decode.out={out}"], tmp_path))
+    assert list(json.loads((out / "metrics.json").read_text())["methods"]) == methods
+    ar = np.load(out / "tokens_ar.npy")
+    for exact in ("ssd_exact", "eagle"):  # they feed AR's own passes here: equal in bf16 too
+        assert np.array_equal(np.load(out / f"tokens_{exact}.npy"), ar), exact
