@@ -149,3 +149,12 @@ def test_every_generator_base_lists_every_setting_so_any_can_be_overridden():
     for name, settings, artefact in (("ssd", SSDDecodeConfig, "heads"), ("mulo", MuLoDecodeConfig, "drafter")):
         base = OmegaConf.load(CONF_DIR / "method" / "base" / f"{name}.yaml")
         assert set(base) - {"generator", artefact} == set(settings.__dataclass_fields__), name
+
+
+def test_the_comparison_runs_mulo_at_the_operating_point_its_experiment_measures(tmp_path):
+    """compare_digits repeats mulo_digits' MuLo-SD settings (a preset left at its generic defaults would be another
+    operating point than the README's MuLo-SD section measures)."""
+    compare = compose_config(["+experiment=compare_digits"], tmp_path).decode.presets
+    mulo = compose_config(["+experiment=mulo_digits"], tmp_path).decode.presets
+    for name in ("mulo", "mulo_exact"):
+        assert OmegaConf.to_container(compare[name]) == OmegaConf.to_container(mulo[name]), name
