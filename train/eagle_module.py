@@ -43,7 +43,7 @@ class EagleDistillation(HeadDistillation):
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.heads.config.input_noise * scale
         return [("next", self.heads(inputs, embedded[:, :-1]), states[:, 1:])]
 
-    def sample_generate(self, group: Condition, sampling):
+    def sample_generate(self, heads, group: Condition, sampling):
         from decode.eagle import generate_eagle
 
-        return generate_eagle(self.backbone, self.heads, group, sampling)
+        return generate_eagle(self.backbone, heads, group, sampling)

@@ -22,6 +22,7 @@ acceptance, and how it decodes a sample grid (`sample_generate`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,8 +83,8 @@ class HeadDistillation(pl.LightningModule):
         values = [logs[f"acceptance_{offset}"] for offset in dict.fromkeys(self.logged_predictions.values())]
         return sum(values) / len(values)
 
-    def sample_generate(self, group: Condition, sampling):
-        """Decode a sample batch with the heads as they are now (a GenerationResult)."""
+    def sample_generate(self, heads: nn.Module, group: Condition, sampling):
+        """Decode a sample batch with `heads` (as they are now, in the backbone's dtype): a GenerationResult."""
         raise NotImplementedError
 
     def train(self, mode: bool = True):
@@ -169,13 +170,17 @@ class HeadDistillation(pl.LightningModule):
 
         was_training = self.heads.training
         self.heads.eval()
+        # As `python -m decode` will run them: in the backbone's dtype (heads/export.py casts them so at loading;
+        # the sample grid runs outside the training step's autocast).
+        dtype = next(self.backbone.parameters()).dtype
+        heads = self.heads if next(self.heads.parameters()).dtype == dtype else copy.deepcopy(self.heads).to(dtype)
         condition = self._sample_condition(num_images)
         sampling = SamplingConfig(cfg_scale=self.cfg_scale, greedy=True)
         tokens, passes = None, 0.0
         for indices, group in group_by_prompt_length(self.backbone, condition):  # equal prompt lengths per batch
             if group.class_ids is not None:
                 group = Condition(class_ids=group.class_ids.to(self.device))
-            result = self.sample_generate(group, sampling)
+            result = self.sample_generate(heads, group, sampling)
             if tokens is None:
                 tokens = result.tokens.new_empty(num_images, *result.tokens.shape[1:])
             tokens[indices.to(tokens.device)] = result.tokens

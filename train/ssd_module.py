@@ -62,7 +62,7 @@ class SSDDistillation(HeadDistillation):
                 out.append((f"grid_{step}", predicted, hidden[:, 1:, step:]))
         return out
 
-    def sample_generate(self, group: Condition, sampling):
+    def sample_generate(self, heads, group: Condition, sampling):
         from decode import generate_ssd
 
-        return generate_ssd(self.backbone, self.heads, group, sampling)
+        return generate_ssd(self.backbone, heads, group, sampling)
