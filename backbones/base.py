@@ -437,7 +437,8 @@ class ARImageBackbone(nn.Module, ABC):
 
         Computed in float32 on float32 copies of the final norm and image head, so the same weights give the same
         fingerprint in any dtype they are loaded in (a bf16 checkpoint in bf16 or float32): heads trained in one
-        load in the other.
+        load in the other. A half-precision model holds the copies only while this runs (0.5 GB for Emu3's image
+        rows, on its device), unless `float32_head` keeps them anyway.
         """
         hidden = torch.zeros(1, self.hidden_size, device=self._device())
         hidden[0, : min(8, self.hidden_size)] = 1.0
