@@ -251,7 +251,7 @@ class ARImageBackbone(nn.Module, ABC):
         float32 copies, built on first use and rebuilt when the model moves or its final norm's weights change
         (the backbone is frozen; change its weights only through `load_state_dict` or `.to`, which both see).
         """
-        if not self.float32_head or next(self.final_norm.parameters()).dtype == torch.float32:
+        if not self.float32_head:
             return self.native_logits(hidden)
         norm, head = self._float32_head_copies()
         return head(norm(hidden.float()))
@@ -261,7 +261,12 @@ class ARImageBackbone(nn.Module, ABC):
         return self.image_head(self.final_norm(hidden))
 
     def _float32_head_copies(self, keep: bool = True) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-        """Float32 copies of the final norm and the image head; `keep`: cached for the next call."""
+        """Float32 copies of the final norm and the image head; `keep`: cached for the next call.
+
+        A float32 model's own norm and head (nothing to copy).
+        """
+        if next(self.final_norm.parameters()).dtype == torch.float32:
+            return self.final_norm, self.image_head
         # Kept out of the module tree (object.__setattr__): `.to(bfloat16)` must not cast the copies, and the state
         # dict must not carry them. The key sees `.to(...)` (new storage) and `load_state_dict` (version bump).
         key = tuple((p.device, p.data_ptr(), p._version) for p in self.final_norm.parameters())
@@ -438,7 +443,7 @@ class ARImageBackbone(nn.Module, ABC):
         Computed in float32 on float32 copies of the final norm and image head, so the same weights give the same
         fingerprint in any dtype they are loaded in (a bf16 checkpoint in bf16 or float32): heads trained in one
         load in the other. A half-precision model holds the copies only while this runs (0.5 GB for Emu3's image
-        rows, on its device), unless `float32_head` keeps them anyway.
+        rows, on its device), unless `float32_head` keeps them anyway; a float32 model needs none.
         """
         hidden = torch.zeros(1, self.hidden_size, device=self._device())
         hidden[0, : min(8, self.hidden_size)] = 1.0
