@@ -35,7 +35,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -48,7 +47,7 @@ from tqdm import tqdm
 
 from backbones.base import ARImageBackbone, Condition, group_by_prompt_length
 from backbones.digits import NUM_CLASSES
-from common.atomic_io import atomic_path, atomic_write_text
+from common.atomic_io import atomic_path, atomic_write_text, create_exclusively
 from data.shard_locks import STALE_AFTER_S, try_claim
 from decode.conditions import load_prompts
 
@@ -290,13 +289,7 @@ def _open_manifest(directory: Path, spec: CorpusSpec, identity: dict) -> dict:
             "checksums": True,  # every shard has a shard-NNNNN.tar.sha256 beside it, written after it
             "shards": [shard_name(i) for i in range(spec.num_shards)],
         }
-        with atomic_path(directory / f".{MANIFEST}.new") as tmp:
-            tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        try:
-            os.link(directory / f".{MANIFEST}.new", manifest_path)  # fails if another process was first
-        except FileExistsError:
-            pass
-        (directory / f".{MANIFEST}.new").unlink(missing_ok=True)
+        create_exclusively(manifest_path, json.dumps(manifest, indent=2) + "\n")  # or another process was first
     manifest = json.loads(manifest_path.read_text())
     if manifest.get("digest") != spec.digest(identity):
         raise ValueError(
