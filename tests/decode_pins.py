@@ -6,6 +6,10 @@ seeded backbones with seeded random drafters, and records a hash of the tokens
 and the pass, draft and acceptance counts. tests/test_decode_pins.py compares a
 fresh run with tests/data/decode_pins.json.
 
+Continuous-token methods (CSpD) sample only, and their tokens are floats: they are
+pinned by the counts (exact) and the tokens' sum and first values (to 1e-4, which
+other CPUs' float rounding keeps).
+
 Regenerate the file only when a change of behaviour is intended (and say so in
 the commit): ``python tests/decode_pins.py --write``.
 """
@@ -13,6 +17,7 @@ the commit): ``python tests/decode_pins.py --write``.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -58,6 +63,30 @@ MULO_CASES = [
     ("mulo_exact", {"mode": "exact"}),
     ("mulo_exact_bicubic", {"mode": "exact", "upsample_mode": "bicubic"}),
 ]
+# The peers (conf/method/ presets' settings, and variants): (case, generator module, settings)
+PEER_CASES = [
+    ("sjd", "decode.sjd", {}),
+    ("sjd_w3_repeat_left", "decode.sjd", {"window": 3, "init": "repeat_left"}),
+    ("gsd", "decode.gsd", {}),
+    ("gsd_r0", "decode.gsd", {"rank_radius": 0}),
+    ("gsd_loose", "decode.gsd", {"probability_gap": 1.0, "max_distance": 1e9}),  # groups on the tiny backbone
+    ("zipar_w2", "decode.zipar", {"window": 2}),
+    ("zipar_w5", "decode.zipar", {"window": 5}),
+    ("eagle", "decode.eagle", {}),
+    ("eagle_depth3", "decode.eagle", {"depth": 3}),
+    ("lantern", "decode.lantern", {}),
+]
+CSPD_CASES = [
+    ("cspd", {}),
+    ("cspd_relaxed", {"tau": 42.0, "reference_correction": True}),
+    ("cspd_unaligned", {"trajectory_alignment": False}),
+    ("cspd_g2_prefill15", {"gamma": 2, "prefill_fraction": 0.15}),
+]
+CSPD_MAR_CASES = [
+    ("cspd_mar", {}),
+    ("cspd_mar_reference", {"verification": "window", "tau": 42.0, "reference_correction": True}),
+]
+CONTINUOUS_RUNS = {"sampled_b1": 1, "sampled_b4": 4}
 RUNS = {  # run name -> (greedy, batch size)
     "greedy_b1": (True, 1),
     "sampled_b1": (False, 1),
@@ -110,10 +139,76 @@ def _mulo_drafter():
     return drafter.eval()
 
 
+def _eagle_head(backbone):
+    from heads.eagle import EagleHead, EagleHeadConfig
+
+    torch.manual_seed(13)
+    head = EagleHead(
+        EagleHeadConfig(hidden_size=32, num_heads=2, intermediate_size=64, max_positions=backbone.geometry.num_tokens)
+    )
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    return head.eval()
+
+
+def _continuous_backbone(nudge: float = 0.0):
+    """The tiny continuous digits backbone with a random diffusion output; `nudge` perturbs that output (a
+    drafter close to the backbone, so that drafts are accepted part of the time)."""
+    from backbones.digits_continuous import random_continuous_digits_backbone
+
+    backbone = random_continuous_digits_backbone(
+        seed=0, image_size=8, patch_size=2, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+        head_width=32, head_depth=1, sampling_steps=4,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in backbone.diffusion.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        for parameter in backbone.diffusion.net.output.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * nudge)
+    return backbone
+
+
+def _row_heads():
+    from heads.cspd import ContinuousRowHeads
+    from heads.ssd import SSDHeadConfig
+
+    torch.manual_seed(14)
+    heads = ContinuousRowHeads(SSDHeadConfig(hidden_size=32, width=16, depth=1))
+    for parameter in heads.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    return heads.eval()
+
+
+def _mar_pair():
+    """A tiny random MAR target (float64) and a drafter: the target with its decoder blocks nudged."""
+    from backbones.mar import random_mar_backbone
+
+    target = random_mar_backbone(seed=0, final_step_noise=True, num_iter=8).double()
+    drafter = random_mar_backbone(seed=0, final_step_noise=True, num_iter=8).double()
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if name.startswith("decoder_blocks"):
+                parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 1e-9)
+    return target, drafter
+
+
 def _record(result) -> dict:
     tokens = result.tokens.to(torch.int64).contiguous().numpy().tobytes()
     return {
         "tokens_sha1": hashlib.sha1(tokens).hexdigest()[:16],
+        "forward_passes": result.forward_passes,
+        "drafted_tokens": result.drafted_tokens,
+        "accepted_tokens": result.accepted_tokens,
+    }
+
+
+def _record_continuous(result) -> dict:
+    tokens = result.tokens.double().flatten()
+    return {
+        "tokens_sum": round(float(tokens.sum()), 6),
+        "tokens_first": [round(float(value), 6) for value in tokens[:8]],
         "forward_passes": result.forward_passes,
         "drafted_tokens": result.drafted_tokens,
         "accepted_tokens": result.accepted_tokens,
@@ -139,6 +234,16 @@ def compute_pins() -> dict:
     for name, settings in MULO_CASES:
         config = MuLoDecodeConfig(**settings)
         cases[name] = (lambda b, c, s, g, config=config: generate_mulo(b, drafter, c, s, g, config), mulo_backbone)
+    for name, module_name, settings in PEER_CASES:
+        method = importlib.import_module(module_name).METHOD
+        config = method.settings(**settings)
+        artefact = _eagle_head(ssd_backbone) if method.artefact else None
+        cases[name] = (
+            lambda b, c, s, g, method=method, artefact=artefact, config=config: method.generate(
+                b, artefact, c, s, g, config
+            ),
+            ssd_backbone,
+        )
     pins = {}
     for name, (generate, backbone) in cases.items():
         pins[name] = {}
@@ -147,6 +252,35 @@ def compute_pins() -> dict:
             generator = torch.Generator().manual_seed(5)
             result = generate(backbone, Condition(class_ids=CLASSES[:batch]), sampling, generator)
             pins[name][run] = _record(result)
+    pins.update(_continuous_pins())
+    return pins
+
+
+def _continuous_pins() -> dict:
+    from decode.cspd import CSpDConfig, generate_cspd
+    from decode.cspd_mar import CSpDMARConfig, generate_cspd_mar
+    from decode.cspd_rows import CSpDRowsConfig, generate_cspd_rows
+    from decode.sampling import SamplingConfig
+
+    backbone, drafter, heads = _continuous_backbone(), _continuous_backbone(nudge=0.002), _row_heads()
+    target, mar_drafter = _mar_pair()
+    cases = {}
+    for name, settings in CSPD_CASES:
+        config = CSpDConfig(**settings)
+        cases[name] = lambda c, s, g, config=config: generate_cspd(backbone, drafter, c, s, g, config)
+    cases["cspd_rows"] = lambda c, s, g: generate_cspd_rows(backbone, heads, c, s, g, CSpDRowsConfig())
+    for name, settings in CSPD_MAR_CASES:
+        config = CSpDMARConfig(**settings)
+        cases[name] = lambda c, s, g, config=config: generate_cspd_mar(
+            target, mar_drafter, c.class_ids, config, num_iter=8, cfg_scale=3.0, generator=g
+        )
+    pins = {}
+    for name, generate in cases.items():
+        pins[name] = {}
+        for run, batch in CONTINUOUS_RUNS.items():
+            generator = torch.Generator().manual_seed(5)
+            result = generate(Condition(class_ids=CLASSES[:batch]), SamplingConfig(cfg_scale=3.0), generator)
+            pins[name][run] = _record_continuous(result)
     return pins
 
 
