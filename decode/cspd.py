@@ -52,7 +52,7 @@ from backbones.diffusion_head import DiffusionSample
 from decode.continuous_ar import check_continuous_sampling
 from decode.method import MethodSpec
 from decode.result import GenerationResult
-from decode.rules import first_true, gaussian_acceptance, gaussian_residual_sample
+from decode.rules import first_true, gaussian_verdicts, resample_rejected
 from decode.sampling import SamplingConfig
 
 
@@ -211,24 +211,22 @@ def speculate(
         p = (target.final_mean[:, :count], target.final_std[:, :count])
         log_stds = target.log_std_sum[:, :count] - round_.log_std_sum  # (B, g, D): summed over steps
         correction = log_stds.sum(-1) if reference_correction else None
-        ratio = gaussian_acceptance(round_.tokens, p, (round_.mean, round_.std), tau, correction)
-        kept = torch.rand(ratio.shape, generator=generator, device=device) < ratio  # (B, g)
+        kept = gaussian_verdicts(round_.tokens, p, (round_.mean, round_.std), generator, tau, correction)  # (B, g)
         cut = int(first_true(~kept, none=count).min())
         tokens[:, pending + 1 : pending + 1 + cut] = round_.tokens[:, :cut]
         drafted += batch * count
         accepted += batch * cut
         if cut < count:  # the token at the cut: the accepted draft, or a residual draw where it was rejected
             last = pending + 1 + cut
-            token, rejected = round_.tokens[:, cut].clone(), ~kept[:, cut]
-            accepted += int((~rejected).sum())
-            residual, settled = gaussian_residual_sample(
-                (p[0][rejected, cut], p[1][rejected, cut]),
-                (round_.mean[rejected, cut], round_.std[rejected, cut]),
+            accepted += int(kept[:, cut].sum())
+            tokens[:, last], fallbacks = resample_rejected(
+                round_.tokens[:, cut],
+                ~kept[:, cut],
+                (p[0][:, cut], p[1][:, cut]),
+                (round_.mean[:, cut], round_.std[:, cut]),
                 generator,
             )
-            token[rejected] = residual
-            unsettled += int((~settled).sum())
-            tokens[:, last] = token
+            unsettled += fallbacks
         elif bonus:  # every draft kept: the backbone's own sample at the next position
             last = pending + count + 1
             tokens[:, last] = target.tokens[:, count]

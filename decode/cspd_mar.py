@@ -61,7 +61,7 @@ from decode.cspd import check_verification
 from decode.masked_baseline import masked_class_ids
 from decode.method import MethodSpec
 from decode.result import GenerationResult
-from decode.rules import gaussian_acceptance, gaussian_residual_sample
+from decode.rules import gaussian_verdicts, resample_rejected
 from decode.sampling import SamplingConfig
 
 VERIFICATIONS = ("prefix", "window")
@@ -209,16 +209,9 @@ class _Run:
         """4. Each token's acceptance (B, n) and the residual draws for every token (used where rejected)."""
         p, q = (target.final_mean, target.final_std), (drafted.final_mean, drafted.final_std)
         correction = (target.log_std_sum - drafted.log_std_sum).sum(-1) if settings.reference_correction else None
-        ratio = gaussian_acceptance(drafted.tokens, p, q, settings.tau, correction)
-        kept = torch.rand(ratio.shape, generator=self.generator, device=ratio.device) < ratio
-        replaced = drafted.tokens.clone()
-        rejected = ~kept
-        if rejected.any():
-            residual, settled = gaussian_residual_sample(
-                (p[0][rejected], p[1][rejected]), (q[0][rejected], q[1][rejected]), self.generator
-            )
-            replaced[rejected] = residual.to(replaced.dtype)
-            counts["unsettled"] += int((~settled).sum())
+        kept = gaussian_verdicts(drafted.tokens, p, q, self.generator, settings.tau, correction)
+        replaced, fallbacks = resample_rejected(drafted.tokens, ~kept, p, q, self.generator)
+        counts["unsettled"] += fallbacks
         return kept, replaced
 
 

@@ -250,6 +250,38 @@ def gaussian_acceptance(
     return log_ratio.clamp(max=0).exp().to(x.dtype)
 
 
+def gaussian_verdicts(
+    x: torch.Tensor,
+    target: tuple[torch.Tensor, torch.Tensor],
+    draft: tuple[torch.Tensor, torch.Tensor],
+    generator: torch.Generator | None,
+    tau: float = 1.0,
+    log_correction: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which drafts x (..., D) CSpD keeps: ``u < gaussian_acceptance(...)`` with one uniform each; (...) bool."""
+    ratio = gaussian_acceptance(x, target, draft, tau, log_correction)
+    return torch.rand(ratio.shape, generator=generator, device=ratio.device) < ratio
+
+
+def resample_rejected(
+    drafts: torch.Tensor,
+    rejected: torch.Tensor,
+    target: tuple[torch.Tensor, torch.Tensor],
+    draft: tuple[torch.Tensor, torch.Tensor],
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int]:
+    """`drafts` (..., D) with each `rejected` (...) one replaced by a draw from its residual
+    (`gaussian_residual_sample`); returns them and how many draws fell back to p (its `settled` False)."""
+    tokens = drafts.clone()
+    if not rejected.any():
+        return tokens, 0
+    residual, settled = gaussian_residual_sample(
+        (target[0][rejected], target[1][rejected]), (draft[0][rejected], draft[1][rejected]), generator
+    )
+    tokens[rejected] = residual.to(tokens.dtype)
+    return tokens, int((~settled).sum())
+
+
 def gaussian_residual_sample(
     target: tuple[torch.Tensor, torch.Tensor],
     draft: tuple[torch.Tensor, torch.Tensor],

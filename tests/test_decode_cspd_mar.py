@@ -134,10 +134,10 @@ def test_the_exactness_check_catches_planted_biases(target, monkeypatch):
     p_value, _ = exactness_statistic(target, drafter, CSpDMARConfig(gamma=3, verification="window"))
     assert p_value < 1e-6, p_value
     # 2. A rejected draft kept instead of its residual draw.
-    import decode.cspd_mar as cspd_mar
+    import decode.rules as rules
 
     monkeypatch.setattr(
-        cspd_mar, "gaussian_residual_sample", lambda p, q, generator: (q[0], torch.ones(len(q[0]), dtype=torch.bool))
+        rules, "gaussian_residual_sample", lambda p, q, generator: (q[0], torch.ones(len(q[0]), dtype=torch.bool))
     )
     p_value, _ = exactness_statistic(target, drafter, CSpDMARConfig(gamma=3))
     assert p_value < 1e-6, p_value
