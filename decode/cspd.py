@@ -33,9 +33,15 @@ trajectories' std ratio) is the `cspd_relaxed` preset, not lossless. Unlike the
 reference, a rejected token is always resampled from the residual (never left
 at zeros) and the drafts after it are cut, as speculative sampling requires.
 
-Batched: every image of the batch commits the same number of tokens per round,
-the fewest any image accepted (exact: where each image stops depends on the
-past only), so a batch runs at its slowest image's pace.
+Batched: the images of a batch share one cache length, so the batch commits
+per round up to the image that got least far; every other image keeps the
+tokens it already has verified past that point (its accepted drafts and its
+residual or bonus token) and re-feeds them next round as drafts that need no
+test, drafting new ones only after them, as SSD's rows do. So each image
+advances at its own pace within a window of ``gamma`` tokens, and a batch costs
+about as many passes as its slowest image would alone, not one per token of
+the slowest image's worst rounds. Exact: each image's tokens are judged once,
+each against the backbone given its own verified prefix.
 """
 
 from __future__ import annotations
@@ -113,6 +119,13 @@ class Speculation:
     noise: torch.Tensor  # (B, N, noise_steps, D), the backbone's
     sampling: SamplingConfig
     generator: torch.Generator | None
+    verified: torch.Tensor  # (B,): each image's last verified position, >= the batch's last committed one
+
+    def keep_verified(self, first: int, drafts: torch.Tensor) -> torch.Tensor:
+        """`drafts` (B, n, D) of positions first ... first + n - 1 with each image's verified tokens in place."""
+        positions = torch.arange(first, first + drafts.shape[1], device=drafts.device)
+        forced = positions[None, :] <= self.verified[:, None]
+        return torch.where(forced[..., None], self.tokens[:, first : first + drafts.shape[1]], drafts)
 
 
 # draft(speculation, pending) -> the drafts of positions pending + 1 ... (at least one); rollback(last): after a
@@ -185,9 +198,10 @@ def speculate(
         noise = backbone.draw_noise(batch, total, generator, device)
     tokens = hidden.new_zeros(batch, total, backbone.token_dim)
     states = hidden.new_zeros(hidden.shape[0], total, hidden.shape[-1])
-    run = Speculation(backbone, state, tokens, states, noise, sampling, generator)
-
     prefilled = min(total, max(1, min_prefill, math.ceil(prefill_fraction * total)))
+    verified = torch.full((batch,), prefilled - 1, device=device)
+    run = Speculation(backbone, state, tokens, states, noise, sampling, generator, verified)
+
     for position in range(prefilled):  # 1. the backbone's own tokens first
         states[:, position] = hidden[:, -1]
         drawn = backbone.sample_tokens(state, hidden[:, -1:], noise[:, position : position + 1], cfg, temperature)
@@ -195,44 +209,47 @@ def speculate(
         if position + 1 < prefilled:
             hidden = backbone.step(state, drawn.tokens)
     passes, drafted, accepted, unsettled = prefilled, 0, 0, 0
-    pending = prefilled - 1  # the last committed token, in neither cache yet
+    pending = prefilled - 1  # the batch's last committed token, in neither cache yet
     while pending < total - 1:
         round_ = draft(run, pending)
         count = round_.tokens.shape[1]
+        first = pending + 1
+        # Positions an image verified in an earlier round are fed again as they are, and kept without a test.
+        forced = torch.arange(first, first + count, device=device)[None, :] <= verified[:, None]  # (B, g)
+        drafts = run.keep_verified(first, round_.tokens)
         # 4. One pass over [last committed; drafts]; out[:, j] conditions position pending + 1 + j.
-        out = backbone.step(state, torch.cat([tokens[:, pending : pending + 1], round_.tokens], dim=1))
+        out = backbone.step(state, torch.cat([tokens[:, pending:first], drafts], dim=1))
         passes += 1
         bonus = pending + count + 1 < total
-        verified = count + int(bonus)
-        target = backbone.sample_tokens(
-            state, out[:, :verified], noise[:, pending + 1 : pending + 1 + verified], cfg, temperature
-        )
-        # 5. Accept left to right; every image commits the fewest any accepted.
+        judged = count + int(bonus)
+        target = backbone.sample_tokens(state, out[:, :judged], noise[:, first : first + judged], cfg, temperature)
+        # 5. Accept left to right, each image up to its own first rejection.
         p = (target.final_mean[:, :count], target.final_std[:, :count])
         log_stds = target.log_std_sum[:, :count] - round_.log_std_sum  # (B, g, D): summed over steps
         correction = log_stds.sum(-1) if reference_correction else None
-        kept = gaussian_verdicts(round_.tokens, p, (round_.mean, round_.std), generator, tau, correction)  # (B, g)
-        cut = int(first_true(~kept, none=count).min())
-        tokens[:, pending + 1 : pending + 1 + cut] = round_.tokens[:, :cut]
-        drafted += batch * count
-        accepted += batch * cut
-        if cut < count:  # the token at the cut: the accepted draft, or a residual draw where it was rejected
-            last = pending + 1 + cut
-            accepted += int(kept[:, cut].sum())
-            tokens[:, last], fallbacks = resample_rejected(
-                round_.tokens[:, cut],
-                ~kept[:, cut],
-                (p[0][:, cut], p[1][:, cut]),
-                (round_.mean[:, cut], round_.std[:, cut]),
+        kept = gaussian_verdicts(drafts, p, (round_.mean, round_.std), generator, tau, correction) | forced
+        cut = first_true(~kept, none=count)  # (B,): each image's first rejected position in the round
+        tokens[:, first : first + count] = drafts
+        drafted += int((~forced).sum())
+        accepted += int(((torch.arange(count, device=device)[None, :] < cut[:, None]) & ~forced).sum())
+        stopped = (cut < count).nonzero()[:, 0]  # images with a rejection: a residual draw at their cut
+        if len(stopped):
+            at = cut[stopped]
+            tokens[stopped, first + at], fallbacks = resample_rejected(
+                drafts[stopped, at],
+                torch.ones(len(stopped), dtype=torch.bool, device=device),
+                (p[0][stopped, at], p[1][stopped, at]),
+                (round_.mean[stopped, at], round_.std[stopped, at]),
                 generator,
             )
             unsettled += fallbacks
-        elif bonus:  # every draft kept: the backbone's own sample at the next position
-            last = pending + count + 1
-            tokens[:, last] = target.tokens[:, count]
-        else:
-            last = pending + count
-        states[:, pending + 1 : last + 1] = out[:, : last - pending]
+        whole = cut == count
+        if bonus and whole.any():  # every draft kept: the backbone's own sample at the next position
+            tokens[whole, first + count] = target.tokens[whole, count]
+        verified = torch.where(whole, pending + count + int(bonus), first + cut)
+        run.verified = verified
+        last = int(verified.min())
+        states[:, first : last + 1] = out[:, : last - pending]
         # Both caches keep the committed tokens before `last` (the drafter feeds what it lacks next round).
         backbone.rollback(state, min(last, state.num_image_tokens))
         drafter_rollback(last)
@@ -257,8 +274,8 @@ def _draft_sequential(drafter, state, run: Speculation, pending: int, count: int
         noise_here = noise[:, position : position + 1]
         drawn = drafter.sample_tokens(state, hidden[:, -1:], noise_here, cfg, sampling.temperature)
         drafts.append(drawn)
-        if j + 1 < count:
-            hidden = drafter.step(state, drawn.tokens)
+        if j + 1 < count:  # an image's next draft follows its verified token where it has one
+            hidden = drafter.step(state, run.keep_verified(position, drawn.tokens))
     return DraftRound.of(drafts)
 
 

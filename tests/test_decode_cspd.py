@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -113,6 +114,56 @@ def test_drafter_equal_to_backbone_accepts_every_draft(cfg_scale, gamma, prefill
     assert result.forward_passes == prefilled + rounds
 
 
+class TakingTurnsDrafter:
+    """The backbone drafting for itself (every draft kept), except that each round one image, in turn, gets
+    hopeless drafts (always rejected): no round lets the whole batch through."""
+
+    def __init__(self, backbone, condition, sampling, gamma: int):
+        self.model, self.sampling, self.gamma, self.round = copy.deepcopy(backbone), sampling, gamma, 0
+        self.state, _ = self.model.prefill(condition, sampling.guided)
+
+    def draft(self, run, pending: int):
+        from decode.cspd import _draft_sequential
+
+        count = min(self.gamma, run.tokens.shape[1] - 1 - pending)
+        drafts = _draft_sequential(self.model, self.state, run, pending, count, run.noise, self.sampling.cfg_scale)
+        hopeless = self.round % len(run.tokens)
+        self.round += 1
+        # A Gaussian a thousand times too sure of each draft: p(x) / q(x) < 1e-12, the draft is rejected (and
+        # so would a re-fed verified token be, were it judged again).
+        drafts.mean[hopeless] = drafts.tokens[hopeless]
+        drafts.std[hopeless] *= 1e-3
+        return drafts
+
+    def rollback(self, last: int) -> None:
+        self.model.rollback(self.state, min(last, self.state.num_image_tokens))
+
+
+def test_each_image_of_a_batch_keeps_what_it_verified_when_another_image_stops():
+    """Two images rejecting in turn: committing only what both accepted gives one token per pass (16 passes);
+    each image keeping its verified tokens for the next round, re-fed without a second test (which would reject
+    them here), takes 7, and the image that never stops gets the backbone's own tokens."""
+    from decode.cspd import speculate
+
+    backbone = tiny_continuous()
+    condition, sampling = Condition(class_ids=torch.tensor([3, 8])), SamplingConfig(cfg_scale=2.0)
+    noise = backbone.draw_noise(2, 16, torch.Generator().manual_seed(0))
+    ar = generate_continuous_ar(backbone, condition, sampling, noise=noise)
+    drafter = TakingTurnsDrafter(backbone, condition, sampling, gamma=3)
+    result = speculate(
+        backbone, condition, sampling, torch.Generator().manual_seed(1), (drafter.draft, drafter.rollback), noise,
+        prefill_fraction=0.0, tau=1.0,
+    )  # fmt: skip
+    # Round 1: image 0 stops at its first draft (a residual draw), image 1 keeps its 3 drafts and a bonus.
+    # Round 2: image 1 re-feeds those 4 tokens (no test, no drafts), image 0 keeps 3 drafts and a bonus, while
+    # image 1's drafts, hopeless this time, are never needed. 5 tokens per 2 passes after the first token.
+    assert result.forward_passes == 1 + 6
+    assert (result.drafted_tokens, result.accepted_tokens) == (3 * (6 + 3), 6 * 3)  # re-fed tokens are not drafts
+    # Image 1 never stops: each of its tokens is a kept draft or a bonus, the backbone's own on this noise.
+    torch.testing.assert_close(result.tokens[1], ar.tokens[1], rtol=0, atol=1e-5)
+    assert result.extras["residual_fallbacks"] == 0
+
+
 def perturbed_drafter(backbone, scale: float, seed: int = 7):
     """The backbone with its diffusion head's weights nudged: drafts close to, not equal to, the backbone's."""
     drafter = tiny_continuous()
@@ -165,6 +216,60 @@ def test_exact_cspd_has_the_backbones_distribution():
     three, acceptance = runs(CSpDConfig(gamma=3, prefill_fraction=0), count, chunk=16, seed=12)
     assert acceptance > 0.1, acceptance
     assert ks_pvalue(ar, three) > 1e-3
+
+
+def standardized_tokens(backbone, tokens, class_ids, noise, sampling) -> torch.Tensor:
+    """(x - mean) / std of every token under the backbone's own final-step Gaussian given the tokens before it
+    and its trajectory noise: exactly N(0, 1), independent, when `tokens` have the backbone's distribution."""
+    flat = tokens.flatten(1, 2)  # (B, N, D)
+    state, hidden = backbone.prefill(Condition(class_ids=class_ids), sampling.guided)
+    states = torch.cat([hidden[:, -1:], backbone.step(state, flat[:, :-1])], dim=1)  # states[:, i] conditions i
+    gaussian = backbone.sample_tokens(state, states, noise, sampling.cfg_scale, sampling.temperature)
+    return ((flat - gaussian.final_mean) / gaussian.final_std).flatten()
+
+
+def cspd_exactness(drafter, settings: CSpDConfig, batch: int, images: int = 512) -> tuple[float, float]:
+    """KS p-value of the standardized tokens of `images` CSpD images (batches of `batch`, class 2, CFG 2) against
+    N(0, 1), and the draft acceptance."""
+    backbone = tiny_continuous()
+    sampling = SamplingConfig(cfg_scale=2.0)
+    standardized, drafted, accepted = [], 0, 0
+    for k in range(images // batch):
+        class_ids = torch.full((batch,), 2)
+        noise = backbone.draw_noise(batch, 16, torch.Generator().manual_seed(100 + k))
+        result = generate_cspd(
+            backbone, drafter, Condition(class_ids=class_ids), sampling, torch.Generator().manual_seed(k), settings,
+            noise=noise,
+        )  # fmt: skip
+        standardized.append(standardized_tokens(backbone, result.tokens, class_ids, noise, sampling))
+        drafted, accepted = drafted + result.drafted_tokens, accepted + result.accepted_tokens
+    return stats.kstest(torch.cat(standardized).numpy(), "norm").pvalue, accepted / drafted
+
+
+def test_the_standardized_tokens_of_the_backbones_own_samples_are_its_last_step_noise():
+    backbone, sampling = tiny_continuous(), SamplingConfig(cfg_scale=2.0)
+    class_ids = torch.tensor([1, 5, 7])
+    noise = backbone.draw_noise(3, 16, torch.Generator().manual_seed(0))
+    ar = generate_continuous_ar(backbone, Condition(class_ids=class_ids), sampling, noise=noise)
+    u = standardized_tokens(backbone, ar.tokens, class_ids, noise, sampling)
+    torch.testing.assert_close(u, noise[:, :, -1].flatten(), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_exact_cspd_tokens_are_the_backbones_final_step_gaussians(batch):
+    """Each token, standardized by the backbone's final-step Gaussian given the image's own earlier tokens, is
+    N(0, 1) (KS, 8,192 values each): at batch 16 images re-feed the tokens they verified ahead of the others."""
+    p_value, acceptance = cspd_exactness(perturbed_drafter(tiny_continuous(), scale=1e-3), CSpDConfig(), batch)
+    assert 0.1 < acceptance < 0.9, acceptance  # kept drafts and residual draws both carry weight
+    assert p_value > 1e-3, p_value
+
+
+def test_the_final_step_check_catches_a_rejected_draft_kept(monkeypatch):
+    import decode.cspd as cspd
+
+    monkeypatch.setattr(cspd, "resample_rejected", lambda drafts, rejected, p, q, generator: (drafts.clone(), 0))
+    p_value, _ = cspd_exactness(perturbed_drafter(tiny_continuous(), scale=1e-3), CSpDConfig(), batch=16)
+    assert p_value < 1e-6, p_value
 
 
 def test_shifted_drafter_is_corrected_and_caught_without_correction():
