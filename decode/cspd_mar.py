@@ -23,11 +23,14 @@ such step of the drafter. Steps:
      r drafted steps, so the target scores step r exactly as its own sampler
      would have conditioned it, plus the step after the round (the bonus).
      Tokens of one step are independent given their conditions, so each is
-     judged on its own; the round is cut after the first step with a rejection
-     (the batch: the earliest of its images), whose rejected tokens are drawn
-     from the residual ``norm(max(0, p - q))`` (`rules.gaussian_residual_sample`,
+     judged on its own; an image's round is cut after its first step with a
+     rejection, whose rejected tokens are drawn from the residual
+     ``norm(max(0, p - q))`` (`rules.gaussian_residual_sample`,
      acceptance-rejection with envelope p, bound 1). When every step is kept,
-     the target's own sample of the next step is the bonus. Lossless with tau 1,
+     the target's own sample of the next step is the bonus. The batch commits
+     the steps every image has; an image that got further keeps its extra
+     verified steps (`AheadOfTheBatch`) and re-feeds them next round as drafts
+     that need no test, as the raster generator's images do (decode/cspd.py). Lossless with tau 1,
      no correction and a last reverse step that adds its noise on both models
      (`MARConfig.final_step_noise`: otherwise a token is its final mean and has
      no density; the official sampler adds none).
@@ -138,11 +141,12 @@ def generate_cspd_mar(
         tokens, known = run.target_step(tokens, known, step)
     counts = {"passes": first, "drafter_passes": 0, "verify_rows": 0, "drafted": 0, "accepted": 0, "unsettled": 0}
     index = first
+    ahead = AheadOfTheBatch(torch.zeros_like(tokens), torch.zeros(batch, dtype=torch.long, device=device))
     while index < len(steps):
         if settings.verification == "prefix":
             window = steps[index : index + settings.gamma]
             bonus = steps[index + len(window)] if index + len(window) < len(steps) else None
-            tokens, known, advanced = _prefix_round(run, tokens, known, window, bonus, settings, counts)
+            tokens, known, advanced = _prefix_round(run, tokens, known, window, bonus, settings, counts, ahead)
         else:
             end = next(k for k in range(index, len(steps)) if (k % settings.gamma == 0 and k) or k == len(steps) - 1)
             window = steps[index : end + 1]
@@ -161,6 +165,19 @@ def generate_cspd_mar(
             "residual_fallbacks": counts["unsettled"],
         },
     )
+
+
+@dataclass
+class AheadOfTheBatch:
+    """Steps an image has verified past the batch's committed step, waiting for the others (prefix rounds).
+
+    The batch commits steps together (one `known` mask per step index); an image that got further in a round
+    keeps its next `steps[b]` steps' tokens in `tokens` (at their positions) and re-feeds them next round as
+    drafts that need no test, as the raster generator's images do (decode/cspd.py).
+    """
+
+    tokens: torch.Tensor  # (B, seq_len, D), valid at the positions of each image's steps ahead
+    steps: torch.Tensor  # (B,) long
 
 
 @dataclass
@@ -192,33 +209,52 @@ class _Run:
         drawn = self.target.sample_positions(z, noise, step.cfg_scale, self.temperature)
         return reveal(tokens, known, positions, drawn.tokens)
 
-    def draft(self, tokens, known, window: list[RevealStep], counts: dict) -> list[DiffusionSample]:
-        """3. The drafter's steps of `window`, each on the tokens so far and its earlier drafts."""
+    def draft(
+        self, tokens, known, window: list[RevealStep], counts: dict, ahead: AheadOfTheBatch | None = None
+    ) -> list[DiffusionSample]:
+        """3. The drafter's steps of `window`, each on the tokens so far and its earlier drafts; an image's
+        steps `ahead` are the tokens it verified before, in place of drafts."""
         drafts = []
-        for step in window:
+        for r, step in enumerate(window):
             positions = self.positions(step)
             z = self.drafter.conditions_at(tokens, known, self.drafter_classes, positions)
             noise = gather_positions(self.draft_noise, positions)
             drawn = self.drafter.sample_positions(z, noise, step.cfg_scale, self.temperature)
+            if ahead is not None and bool((ahead.steps > r).any()):
+                verified = gather_positions(ahead.tokens, positions).to(drawn.tokens.dtype)
+                drawn.tokens = torch.where((ahead.steps > r)[:, None, None], verified, drawn.tokens)
             tokens, known = reveal(tokens, known, positions, drawn.tokens)
             drafts.append(drawn)
         counts["drafter_passes"] += len(window)
         return drafts
 
-    def judge(self, drafted: DiffusionSample, target: DiffusionSample, settings: CSpDMARConfig, counts: dict):
-        """4. Each token's acceptance (B, n) and the residual draws for every token (used where rejected)."""
+    def judge(
+        self,
+        drafted: DiffusionSample,
+        target: DiffusionSample,
+        settings: CSpDMARConfig,
+        counts: dict,
+        verified: torch.Tensor | None = None,
+    ):
+        """4. Each token's acceptance (B, n) and the residual draws for every token (used where rejected); the
+        images `verified` (B,) hold tokens verified before, kept without a test."""
         p, q = (target.final_mean, target.final_std), (drafted.final_mean, drafted.final_std)
         correction = (target.log_std_sum - drafted.log_std_sum).sum(-1) if settings.reference_correction else None
         kept = gaussian_verdicts(drafted.tokens, p, q, self.generator, settings.tau, correction)
+        if verified is not None:
+            kept = kept | verified[:, None]
         replaced, fallbacks = resample_rejected(drafted.tokens, ~kept, p, q, self.generator)
         counts["unsettled"] += fallbacks
         return kept, replaced
 
 
-def _prefix_round(run: _Run, tokens, known, window, bonus, settings: CSpDMARConfig, counts: dict):
-    """One exact round: draft `window`, verify every prefix in one pass, keep up to the first rejection."""
+def _prefix_round(
+    run: _Run, tokens, known, window, bonus, settings: CSpDMARConfig, counts: dict, ahead: AheadOfTheBatch
+):
+    """One exact round: draft `window`, verify every prefix in one pass; each image keeps its steps up to its
+    first rejection, the batch commits the steps every image has (`ahead` keeps the rest)."""
     batch, target = tokens.shape[0], run.target
-    drafts = run.draft(tokens, known, window, counts)
+    drafts = run.draft(tokens, known, window, counts, ahead)
     # Row r knows the round's first r drafted steps; row len(window) also conditions the bonus step.
     row_steps = window + ([bonus] if bonus is not None else [])
     row_tokens, row_known = [tokens], [known]
@@ -251,28 +287,37 @@ def _prefix_round(run: _Run, tokens, known, window, bonus, settings: CSpDMARConf
     sampled = target.sample_positions(conditions, noises[None], scales, run.temperature)
     per_row = _split_rows(sampled, [at.shape[1] for at in positions], batch)
 
-    committed = len(window)
-    rejected_at = torch.full((batch,), len(window), device=tokens.device)
+    size = len(window)
+    rejected_at = torch.full((batch,), size, device=tokens.device)  # each image's first step with a rejection
     judged = []
     for r, drawn in enumerate(drafts):
-        kept, replaced = run.judge(drawn, per_row[r], settings, counts)
+        kept, replaced = run.judge(drawn, per_row[r], settings, counts, verified=ahead.steps > r)
         judged.append((kept, replaced))
-        rejected_at = torch.where((~kept.all(1)) & (rejected_at == len(window)), r, rejected_at)
-        committed = int(rejected_at.min())
-        if committed <= r:  # the batch stops at this step: nothing after it is judged
+        rejected_at = torch.where((~kept.all(1)) & (rejected_at == size), r, rejected_at)
+        if bool((rejected_at <= r).all()):  # every image has stopped: nothing after this step is needed
             break
-    counts["drafted"] += sum(drawn.tokens.shape[:2].numel() for drawn in drafts)  # (the cut ones too)
-    for r in range(min(committed + 1, len(window))):
-        kept, replaced = judged[r]
-        counts["accepted"] += int(kept.sum())
-        values = drafts[r].tokens if r < committed else replaced
-        tokens, known = reveal(tokens, known, run.positions(window[r]), values)
-    if committed < len(window):
-        return tokens, known, committed + 1
-    if bonus is not None:  # every step kept: the target's own sample of the next step
-        tokens, known = reveal(tokens, known, run.positions(bonus), per_row[len(window)].tokens)
-        return tokens, known, len(window) + 1
-    return tokens, known, len(window)
+    # Drafted: every drawn token (the cut ones too), not an image's re-fed verified steps.
+    counts["drafted"] += sum(int((ahead.steps <= r).sum()) * drawn.tokens.shape[1] for r, drawn in enumerate(drafts))
+    for r, (kept, _) in enumerate(judged):
+        counted = (ahead.steps <= r) & (r <= rejected_at)  # drafts of this step that were judged for the image
+        counts["accepted"] += int((kept & counted[:, None]).sum())
+    # Each image has its steps before the rejection, the rejection's step (residual draws where rejected) or,
+    # when it kept every step, the target's own sample of the next one.
+    reach = torch.where(rejected_at < size, rejected_at + 1, size + int(bonus is not None))
+    advanced = int(reach.min())
+    for r in range(int(reach.max())):
+        if r < size:
+            _, replaced = judged[r]  # (judged: every image reaching step r had it judged)
+            values = torch.where((r < rejected_at)[:, None, None], drafts[r].tokens, replaced)
+        else:
+            values = per_row[size].tokens
+        positions = run.positions(row_steps[r])
+        if r < advanced:
+            tokens, known = reveal(tokens, known, positions, values)
+        else:  # ahead of the batch: kept for the next round
+            ahead.tokens, _ = reveal(ahead.tokens, known, positions, values)
+    ahead.steps = reach - advanced
+    return tokens, known, advanced
 
 
 def _window_round(run: _Run, tokens, known, window, settings: CSpDMARConfig, counts: dict):

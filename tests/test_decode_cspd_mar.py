@@ -87,6 +87,39 @@ def test_drafter_equal_to_the_target_accepts_every_draft_and_gives_the_targets_t
     assert result.extras["residual_fallbacks"] == 0
 
 
+def test_each_image_keeps_the_steps_it_verified_when_another_image_stops(target, monkeypatch):
+    """The target drafting for itself, but each round one of two images, in turn, gets hopeless drafts (a
+    Gaussian a thousand times too sure of each token: rejected). Committing only the steps both kept takes one
+    step per pass (16); each image keeping its verified steps for the next round, re-fed without a second test
+    (which would reject them here), takes 7, and the image that never stops gets the target's own tokens."""
+    import decode.cspd_mar as cspd_mar
+
+    original, rounds = cspd_mar._Run.draft, []
+
+    def taking_turns(self, tokens, known, window, counts, ahead=None):
+        drafts = original(self, tokens, known, window, counts, ahead)
+        hopeless = len(rounds) % len(tokens)
+        rounds.append(hopeless)
+        for drawn in drafts:
+            drawn.final_mean[hopeless] = drawn.tokens[hopeless]
+            drawn.final_std[hopeless] *= 1e-3
+        return drafts
+
+    monkeypatch.setattr(cspd_mar._Run, "draft", taking_turns)
+    class_ids = torch.tensor([3, 8])
+    orders, noise = draws(2, target, seed=4)
+    own = target.sample(class_ids, num_iter=16, orders=orders, noise=noise)  # one token per step
+    result = generate_cspd_mar(
+        target, target, class_ids, CSpDMARConfig(gamma=3, prefill_fraction=0.0), 16,
+        orders=orders, noise=noise, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    # Rounds alternate: image 0 stops at its first step while image 1 keeps 3 and a bonus; then image 1 re-feeds
+    # those and image 0 keeps 3 and a bonus: 5 steps per 2 passes, and a last round of one step.
+    assert result.forward_passes == 7 and len(rounds) == 7
+    torch.testing.assert_close(result.tokens.view(2, SEQ, DIM)[1], own[1], rtol=1e-7, atol=0)
+    assert result.extras["residual_fallbacks"] == 0
+
+
 def test_one_step_rounds_of_the_reference_verification_are_the_targets_sampler(target):
     class_ids = torch.tensor([0, 5])
     orders, noise = draws(2, target, seed=3)
