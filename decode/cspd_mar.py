@@ -30,10 +30,10 @@ such step of the drafter. Steps:
      the target's own sample of the next step is the bonus. The batch commits
      the steps every image has; an image that got further keeps its extra
      verified steps (`AheadOfTheBatch`) and re-feeds them next round as drafts
-     that need no test, as the raster generator's images do (decode/cspd.py). Lossless with tau 1,
-     no correction and a last reverse step that adds its noise on both models
-     (`MARConfig.final_step_noise`: otherwise a token is its final mean and has
-     no density; the official sampler adds none).
+     that need no test, as the raster generator's images do (decode/cspd.py).
+     Lossless with tau 1, no correction and a last reverse step that adds its
+     noise on both models (`MARConfig.final_step_noise`: otherwise a token is
+     its final mean and has no density; the official sampler adds none).
    - ``verification="window"`` (the reference's): one target pass over the
      tokens known before the round predicts every drafted token at once (the
      target does not see the earlier drafts of the round), guided at the
