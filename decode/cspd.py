@@ -121,10 +121,14 @@ class Speculation:
     generator: torch.Generator | None
     verified: torch.Tensor  # (B,): each image's last verified position, >= the batch's last committed one
 
+    def verified_at(self, first: int, count: int) -> torch.Tensor:
+        """(B, count) bool: which of positions first ... first + count - 1 each image has verified already."""
+        positions = torch.arange(first, first + count, device=self.verified.device)
+        return positions[None, :] <= self.verified[:, None]
+
     def keep_verified(self, first: int, drafts: torch.Tensor) -> torch.Tensor:
         """`drafts` (B, n, D) of positions first ... first + n - 1 with each image's verified tokens in place."""
-        positions = torch.arange(first, first + drafts.shape[1], device=drafts.device)
-        forced = positions[None, :] <= self.verified[:, None]
+        forced = self.verified_at(first, drafts.shape[1])
         return torch.where(forced[..., None], self.tokens[:, first : first + drafts.shape[1]], drafts)
 
 
@@ -199,8 +203,9 @@ def speculate(
     tokens = hidden.new_zeros(batch, total, backbone.token_dim)
     states = hidden.new_zeros(hidden.shape[0], total, hidden.shape[-1])
     prefilled = min(total, max(1, min_prefill, math.ceil(prefill_fraction * total)))
-    verified = torch.full((batch,), prefilled - 1, device=device)
-    run = Speculation(backbone, state, tokens, states, noise, sampling, generator, verified)
+    run = Speculation(
+        backbone, state, tokens, states, noise, sampling, generator, torch.full((batch,), prefilled - 1, device=device)
+    )
 
     for position in range(prefilled):  # 1. the backbone's own tokens first
         states[:, position] = hidden[:, -1]
@@ -215,7 +220,7 @@ def speculate(
         count = round_.tokens.shape[1]
         first = pending + 1
         # Positions an image verified in an earlier round are fed again as they are, and kept without a test.
-        forced = torch.arange(first, first + count, device=device)[None, :] <= verified[:, None]  # (B, g)
+        forced = run.verified_at(first, count)  # (B, g)
         drafts = run.keep_verified(first, round_.tokens)
         # 4. One pass over [last committed; drafts]; out[:, j] conditions position pending + 1 + j.
         out = backbone.step(state, torch.cat([tokens[:, pending:first], drafts], dim=1))
@@ -246,9 +251,8 @@ def speculate(
         whole = cut == count
         if bonus and whole.any():  # every draft kept: the backbone's own sample at the next position
             tokens[whole, first + count] = target.tokens[whole, count]
-        verified = torch.where(whole, pending + count + int(bonus), first + cut)
-        run.verified = verified
-        last = int(verified.min())
+        run.verified = torch.where(whole, pending + count + int(bonus), first + cut)
+        last = int(run.verified.min())
         states[:, first : last + 1] = out[:, : last - pending]
         # Both caches keep the committed tokens before `last` (the drafter feeds what it lacks next round).
         backbone.rollback(state, min(last, state.num_image_tokens))
