@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.conv_autoencoder import AttnBlock, ResBlock, Upsample, group_norm, run_level, swish
 from backbones.hf_loading import load_torch_checkpoint
 from backbones.kv_cache import PreallocatedLayer
 
@@ -386,51 +387,6 @@ class LlamaGenBackbone(ARImageBackbone):
         return self.model.tok_embeddings.weight.dtype
 
 
-def _swish(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
-
-
-def _group_norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(32, channels, eps=1e-6, affine=True)
-
-
-class _ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.norm1, self.conv1 = _group_norm(cin), nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm2, self.conv2 = _group_norm(cout), nn.Conv2d(cout, cout, 3, padding=1)
-        if cin != cout:
-            self.nin_shortcut = nn.Conv2d(cin, cout, 1)
-
-    def forward(self, x):
-        h = self.conv1(_swish(self.norm1(x)))
-        h = self.conv2(_swish(self.norm2(h)))
-        return (self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x) + h
-
-
-class _AttnBlock(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.norm = _group_norm(channels)
-        self.q, self.k, self.v, self.proj_out = (nn.Conv2d(channels, channels, 1) for _ in range(4))
-
-    def forward(self, x):
-        b, c, height, width = x.shape
-        h = self.norm(x)
-        q, k, v = (f(h).flatten(2).transpose(1, 2) for f in (self.q, self.k, self.v))  # (b, hw, c)
-        out = torch.softmax(q @ k.transpose(1, 2) * c**-0.5, dim=-1) @ v
-        return x + self.proj_out(out.transpose(1, 2).reshape(b, c, height, width))
-
-
-class _Upsample(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-
-
 class VQ16Decoder(nn.Module):
     """LlamaGen's VQ decoder side (``post_quant_conv`` + ``decoder.*``); keys match the VQ checkpoints.
 
@@ -452,21 +408,21 @@ class VQ16Decoder(nn.Module):
         d = self.decoder
         block_in = ch * ch_mult[-1]
         d.conv_in = nn.Conv2d(z_channels, block_in, 3, padding=1)
-        d.mid = nn.ModuleList([_ResBlock(block_in, block_in), _AttnBlock(block_in), _ResBlock(block_in, block_in)])
+        d.mid = nn.ModuleList([ResBlock(block_in, block_in), AttnBlock(block_in), ResBlock(block_in, block_in)])
         d.conv_blocks = nn.ModuleList()
         levels = len(ch_mult)
         for level in reversed(range(levels)):
             block = nn.Module()
             block.res, block.attn = nn.ModuleList(), nn.ModuleList()
             for _ in range(num_res_blocks + 1):
-                block.res.append(_ResBlock(block_in, ch * ch_mult[level]))
+                block.res.append(ResBlock(block_in, ch * ch_mult[level]))
                 block_in = ch * ch_mult[level]
                 if level == levels - 1:
-                    block.attn.append(_AttnBlock(block_in))
+                    block.attn.append(AttnBlock(block_in))
             if level != 0:
-                block.upsample = _Upsample(block_in)
+                block.upsample = Upsample(block_in)
             d.conv_blocks.append(block)
-        d.norm_out = _group_norm(block_in)
+        d.norm_out = group_norm(block_in)
         d.conv_out = nn.Conv2d(block_in, 3, 3, padding=1)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
@@ -476,13 +432,10 @@ class VQ16Decoder(nn.Module):
         for module in d.mid:
             h = module(h)
         for block in d.conv_blocks:
-            for i, res in enumerate(block.res):
-                h = res(h)
-                if len(block.attn):
-                    h = block.attn[i](h)
+            h = run_level(h, block.res, block.attn)
             if hasattr(block, "upsample"):
                 h = block.upsample(h)
-        return d.conv_out(_swish(d.norm_out(h)))
+        return d.conv_out(swish(d.norm_out(h)))
 
 
 def load_vq16_decoder(path: str | Path, **architecture) -> VQ16Decoder:
