@@ -74,6 +74,7 @@ from backbones.base import ImageGeometry
 from backbones.continuous import continuous_identity
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig, DiffusionSample
 from backbones.hf_loading import damaged_checkpoint, load_torch_checkpoint
+from backbones.mar_vae import MARKLVAE, load_kl16_vae, random_kl_vae
 
 README = "https://github.com/LTH14/mar#installation"
 HF_REPO = "jadechoghari/mar"
@@ -262,6 +263,16 @@ def reveal_steps(seq_len: int, num_iter: int, cfg_scale: float = 1.0, cfg_schedu
     return steps
 
 
+@dataclass(frozen=True)
+class MAREncoding:
+    """The encoder half's output (`MARBackbone.encode_known`), what the decoder half reads."""
+
+    x: torch.Tensor  # (rows, width, encoder_dim) after encoder_norm: buffer, known positions ascending, padding
+    kept: torch.Tensor  # (rows, width): the index in [buffer; grid] each entry of x came from
+    valid: torch.Tensor  # (rows, width) bool: False at the padding of rows that know fewer than the longest
+    positions: int  # buffer_size + seq_len: the decoder's sequence length
+
+
 class _Attention(nn.Module):
     """timm ``Attention`` (qkv_bias=True, no qk norm), names ``qkv`` and ``proj``."""
 
@@ -372,6 +383,7 @@ class MARBackbone(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.decoder_dim, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, c.seq_len, c.decoder_dim))
         self.diffusion = DiffusionHead(c.diffusion_config())
+        self.attach_vae(None)  # pixels need the KL-16 VAE, a separate checkpoint (load_mar_backbone's vae_path)
 
     def identity(self) -> dict:
         """What a run records and a drafter is checked against: name, sizes, geometry, a weights fingerprint."""
@@ -437,11 +449,29 @@ class MARBackbone(nn.Module):
         reshape that needs every row to know as many); rows that know different numbers run in one batch,
         their kept positions padded to the longest row's and the padding masked out of the encoder's
         attention (a verifier's rows of different draft prefixes: one pass).
+
+        The pass is `encode_known` then `decode_conditions` (Harmon, backbones/harmon.py, adds its LLM's
+        residual between the two).
+        """
+        return self.decode_conditions(self.encode_known(tokens, known, class_embedding))
+
+    def encode_known(
+        self,
+        tokens: torch.Tensor,
+        known: torch.Tensor,
+        class_embedding: torch.Tensor,
+        pos_embed: torch.Tensor | None = None,
+    ) -> MAREncoding:
+        """The encoder half of `conditions` (``forward_mae_encoder``, ending with ``encoder_norm``).
+
+        `pos_embed` (1, buffer_size + seq_len, encoder_dim) replaces ``encoder_pos_embed_learned`` (Harmon
+        interpolates it to another grid; then tokens hold that grid's seq_len positions).
         """
         rows, buffer = tokens.shape[0], self.buffer_size
+        pos_embed = self.encoder_pos_embed_learned if pos_embed is None else pos_embed
         x = self.z_proj(tokens)
         x = torch.cat([class_embedding[:, None].expand(rows, buffer, -1).to(x.dtype), x], dim=1)
-        x = self.z_proj_ln(x + self.encoder_pos_embed_learned)
+        x = self.z_proj_ln(x + pos_embed)
         keep = torch.cat([known.new_ones(rows, buffer), known], dim=1)  # the buffer is always visible
         counts = keep.sum(1)
         width = int(counts.max())
@@ -452,14 +482,32 @@ class MARBackbone(nn.Module):
         x = x.gather(1, kept[..., None].expand(-1, -1, x.shape[-1]))
         for block in self.encoder_blocks:
             x = block(x, mask)
-        x = self.decoder_embed(self.encoder_norm(x))
-        padded = self.mask_token.to(x.dtype).expand(rows, keep.shape[1], -1).clone()
+        return MAREncoding(self.encoder_norm(x), kept, valid, keep.shape[1])
+
+    def decode_conditions(
+        self,
+        encoding: MAREncoding,
+        pos_embed: torch.Tensor | None = None,
+        diffusion_pos_embed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder half of `conditions` (``forward_mae_decoder``): z (rows, seq_len, decoder_dim).
+
+        `pos_embed` (1, buffer_size + seq_len, decoder_dim) and `diffusion_pos_embed` (1, seq_len,
+        decoder_dim) replace the learned ones (Harmon's interpolated grids).
+        """
+        pos_embed = self.decoder_pos_embed_learned if pos_embed is None else pos_embed
+        if diffusion_pos_embed is None:
+            diffusion_pos_embed = self.diffusion_pos_embed_learned
+        kept, valid = encoding.kept, encoding.valid
+        rows, width = valid.shape
+        x = self.decoder_embed(encoding.x)
+        padded = self.mask_token.to(x.dtype).expand(rows, encoding.positions, -1).clone()
         row_index = torch.arange(rows, device=x.device)[:, None].expand(-1, width)
         padded[row_index[valid], kept[valid]] = x[valid]
-        x = padded + self.decoder_pos_embed_learned
+        x = padded + pos_embed
         for block in self.decoder_blocks:
             x = block(x)
-        return self.decoder_norm(x)[:, buffer:] + self.diffusion_pos_embed_learned
+        return self.decoder_norm(x)[:, self.buffer_size :] + diffusion_pos_embed
 
     def class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
         """The buffer's class embeddings (B, dim), or (2B, dim) as [class; fake latent] when `guided`."""
@@ -583,16 +631,36 @@ class MARBackbone(nn.Module):
             raise ValueError(f"noise must be {shape} (B, seq_len, noise_steps, token_dim), got {tuple(noise.shape)}")
         return noise.to(device)
 
-    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Not available: MAR decodes tokens with the KL-16 VAE, a separate download this adapter lacks.
+    # ---- pixels ----------------------------------------------------------------------------
 
-        The VAE is LTH14/mar ``models/vae.py`` ``AutoencoderKL(embed_dim=16, ch_mult=(1, 1, 2, 2, 4))`` with
-        weights ``kl16.ckpt`` (``util/download.py``) or ``kl16.safetensors`` on Hugging Face (jadechoghari/mar).
+    def attach_vae(self, vae: MARKLVAE | None) -> None:
+        """Decode and encode pixels through `vae` (MAR's KL-16, backbones/mar_vae.py); None detaches it.
+
+        The VAE is kept outside this module's parameters, so the weights fingerprint, the official state
+        dict and ``.to()`` see MAR only; `tokens_to_pixels` runs it on the tokens' device.
         """
-        raise NotImplementedError(
-            "MARBackbone has no pixel decoder: MAR's tokens are KL-16 VAE latents (LTH14/mar models/vae.py, "
-            f"kl16.ckpt from util/download.py or kl16.safetensors from {HF_REPO}), not included here"
-        )
+        if vae is not None and vae.config.embed_dim != self.token_dim:
+            raise ValueError(
+                f"the VAE has {vae.config.embed_dim} latent channels, {self.name}'s tokens have {self.token_dim}"
+            )
+        object.__setattr__(self, "vae", vae)
+
+    def _pixel_codec(self, device: torch.device) -> MARKLVAE:
+        vae = self.vae
+        if vae is None:
+            raise NotImplementedError(
+                f"{self.name} has no pixel decoder: MAR's tokens are KL-16 VAE latents; {_vae_advice()}"
+            )
+        return vae.to(device)
+
+    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, rows, cols, token_dim) -> images (B, 3, 16 rows, 16 cols) in [0, 1] through the KL-16 VAE
+        (`attach_vae`, ``backbone.vae_path``); NotImplementedError without one."""
+        return self._pixel_codec(tokens.device).tokens_to_pixels(tokens)
+
+    def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> tokens (B, H / 16, W / 16, token_dim) (the VAE posterior's mean)."""
+        return self._pixel_codec(images.device).pixels_to_tokens(images)
 
 
 def gather_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -629,6 +697,13 @@ def _read_state_dict(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
     raise KeyError(f"{path}: neither 'model_ema' nor 'model' in the checkpoint (keys: {sorted(checkpoint)[:8]})")
 
 
+def _vae_advice() -> str:
+    return (
+        "pass backbone.vae_path=<dir or kl16.ckpt> (load_mar_backbone(..., vae_path=...)); get kl16.ckpt from "
+        f"the LTH14/mar README ({README}) or `python util/download.py` in a clone (pretrained_models/vae/kl16.ckpt)"
+    )
+
+
 def _download_advice(size: str) -> str:
     link = DOWNLOAD_LINKS.get(size, README)
     return (
@@ -650,6 +725,7 @@ def load_mar_backbone(
     num_iter: int = 64,
     cfg_schedule: str = "linear",
     final_step_noise: bool = False,
+    vae_path: str | Path | None = None,
 ) -> MARBackbone:
     """Hydra entry point: a frozen MAR from its official weights (Li et al. 2024; LTH14/mar).
 
@@ -659,7 +735,9 @@ def load_mar_backbone(
     dict converted by a third party). `size` "auto" reads it off the weights' shapes. `trust_pickle=True`
     allows arbitrary pickled objects (only for files from a source you trust). `num_iter` and `cfg_schedule`
     are how this model generates in `python -m decode` (the README's evaluation: 256, linear);
-    `final_step_noise` see `MARConfig`. Raises FileNotFoundError with the download links when nothing is there.
+    `final_step_noise` see `MARConfig`. `vae_path`: the KL-16 VAE (``kl16.ckpt`` or its directory), loaded in
+    the same dtype, for images and image quality; without it runs report passes and speed only. Raises
+    FileNotFoundError with the download links when a checkpoint is not there.
     """
     if size != "auto" and size not in MAR_SIZES:  # ("tiny" too: tests save official-layout tiny checkpoints)
         raise ValueError(f"unknown MAR size {size!r}; choose from auto, {', '.join(sorted(MAR_SIZES))}")
@@ -677,6 +755,8 @@ def load_mar_backbone(
         backbone.load_official_state_dict(state)
     except ValueError as error:
         raise ValueError(f"{path}: {error} (is it a MAR-{size[0].upper()} checkpoint?)") from error
+    if vae_path is not None:  # read now, so that a missing VAE stops the run before any image is generated
+        backbone.attach_vae(load_kl16_vae(vae_path, device=device, dtype=dtype, trust_pickle=trust_pickle))
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
@@ -715,12 +795,14 @@ def random_mar_backbone(
     num_iter: int = 64,
     cfg_schedule: str = "linear",
     dtype: str = "float32",
+    vae_seed: int | None = None,
     **overrides,
 ) -> MARBackbone:
     """A MAR backbone with seeded random weights (tiny by default; for tests).
 
     The official init zeroes the diffusion head's modulations and output (every token would be the mean
-    of the schedule); random weights test more. Norm weights are centred on 1.
+    of the schedule); random weights test more. Norm weights are centred on 1. `vae_seed`: attach a tiny
+    random KL VAE (`backbones.mar_vae.random_kl_vae`, 2 pixels per token) so that pixels can be decoded.
     """
     torch.manual_seed(seed)
     backbone = MARBackbone(mar_config(size, **overrides), num_iter, cfg_schedule)
@@ -729,6 +811,8 @@ def random_mar_backbone(
             nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
             if name.endswith("weight") and ("norm" in name or "_ln" in name):
                 parameter.add_(1.0)
+    if vae_seed is not None:
+        backbone.attach_vae(random_kl_vae(vae_seed, dtype=dtype, embed_dim=backbone.token_dim))
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
@@ -736,6 +820,7 @@ __all__ = [
     "MAR_SIZES",
     "MARBackbone",
     "MARConfig",
+    "MAREncoding",
     "RevealStep",
     "gather_positions",
     "infer_size",

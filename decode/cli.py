@@ -139,9 +139,12 @@ def build_quality(cfg: DictConfig, backbone: ARImageBackbone, pixels_available: 
 
 def pixels_work(backbone: ARImageBackbone) -> bool:
     """Whether `tokens_to_pixels` works for this backbone (one all-zero image is decoded to find out)."""
-    probe = torch.zeros(
-        1, backbone.geometry.rows, backbone.geometry.cols, dtype=torch.long, device=next(backbone.parameters()).device
+    grid, device = backbone.geometry, next(backbone.parameters()).device
+    token_dim = getattr(backbone, "token_dim", None)  # continuous and masked backbones: one vector per token
+    shape, dtype = (
+        ((grid.rows, grid.cols, token_dim), torch.float32) if token_dim else ((grid.rows, grid.cols), torch.long)
     )
+    probe = torch.zeros(1, *shape, dtype=dtype, device=device)
     try:
         with torch.no_grad():
             backbone.tokens_to_pixels(probe)

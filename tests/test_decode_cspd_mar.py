@@ -241,7 +241,8 @@ def test_the_drafter_loads_from_an_official_checkpoint_in_the_targets_settings(t
 
 
 def test_decode_experiment_compares_cspd_on_mar_with_the_baseline(tmp_path):
-    """`python -m decode +experiment=cspd_mar` on the tiny random MAR: both presets, passes and speed, no PNGs."""
+    """`python -m decode +experiment=cspd_mar` on the tiny random MAR without a VAE: both presets, passes and
+    speed, no PNGs."""
     from conftest import compose_config
     from safetensors.torch import save_file
 
@@ -254,6 +255,7 @@ def test_decode_experiment_compares_cspd_on_mar_with_the_baseline(tmp_path):
         [
             "+experiment=cspd_mar",
             "backbone=mar_tiny",
+            "backbone.vae_seed=null",
             "backbone.num_iter=8",
             "backbone.cfg_schedule=constant",
             "backbone.dtype=float64",  # float32 rounding, amplified by the random head, would reject equal drafts
@@ -275,6 +277,43 @@ def test_decode_experiment_compares_cspd_on_mar_with_the_baseline(tmp_path):
     assert methods["cspd_mar"]["forward_passes_per_image"] < 8
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["backbone"]["family"] == "MARBackbone" and not list(out.glob("*.png"))
+
+
+def test_decode_on_mar_with_a_vae_writes_pngs_and_fid(tmp_path):
+    """With the KL VAE (`backbone.vae_path`; the tiny config's random one) a MAR run decodes its tokens to images:
+    a PNG grid per method and FID against the reference folder."""
+    from conftest import compose_config
+    from safetensors.torch import save_file
+    from test_real_quality import save_reference_images
+
+    from decode.cli import run_decode
+
+    save_reference_images(tmp_path / "ref", count=12)
+    drafter = random_mar_backbone(seed=1)
+    save_file({k: v.contiguous() for k, v in drafter.official_state_dict().items()}, tmp_path / "mar-tiny.safetensors")
+    out = tmp_path / "out"
+    cfg = compose_config(
+        [
+            "+experiment=cspd_mar",
+            "backbone=mar_tiny",
+            "backbone.num_iter=4",
+            "decode.methods=[ar,cspd_mar_reference]",
+            f"decode.mar_drafter={tmp_path}",
+            "decode.num_images=6",
+            "decode.batch_size=3",
+            f"decode.out={out}",
+            f"decode.quality.reference_dir={tmp_path / 'ref'}",
+            "decode.quality.fid_features={_target_:test_real_quality.TinyFeatures}",
+        ],
+        tmp_path / "run",
+    )
+    run_decode(cfg)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["quality_note"].startswith("fid")
+    for name in ("ar", "cspd_mar_reference"):
+        quality = metrics["methods"][name]["quality"]
+        assert set(quality) == {"fid"} and math.isfinite(quality["fid"]) and quality["fid"] >= 0
+        assert (out / f"{name}.png").is_file()
 
 
 def test_discrete_and_raster_methods_are_refused_on_mar():
