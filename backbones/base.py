@@ -132,11 +132,12 @@ def group_by_prompt_length(
     with the backbone's own `prompt_token_ids` and grouped by length (groups in
     order of first appearance, rows in their original order within a group);
     each group is a ``Condition(prompts=...)`` of its prompts. Class ids and token
-    ids come back as they are. `max_batch` also cuts every group into batches of
-    at most that many rows.
+    ids come back as they are, and so do the prompts of a backbone that pads them
+    itself (``pads_prompts``: Harmon). `max_batch` also cuts every group into
+    batches of at most that many rows.
     """
     size = condition.batch_size
-    if condition.prompts is None:
+    if condition.prompts is None or getattr(backbone, "pads_prompts", False):  # (Harmon pads its prompts)
         groups = [(torch.arange(size), condition)]
     else:
         tokenize = getattr(backbone, "prompt_token_ids", None)

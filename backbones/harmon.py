@@ -76,8 +76,17 @@ from backbones.base import ImageGeometry
 from backbones.continuous import continuous_identity
 from backbones.diffusion_head import DiffusionHead
 from backbones.hf_loading import load_torch_checkpoint
-from backbones.mar import MARBackbone, MARConfig, gather_positions, infer_size, mar_config, reveal, reveal_steps
-from backbones.mar_vae import MARKLVAE, load_kl16_vae
+from backbones.mar import (
+    MARBackbone,
+    MARConfig,
+    gather_positions,
+    infer_size,
+    mar_config,
+    repeat_twin_blocks,
+    reveal,
+    reveal_steps,
+)
+from backbones.mar_vae import MARKLVAE, load_kl16_vae, random_kl_vae
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +160,7 @@ class HarmonBackbone(nn.Module):
     # Continuous tokens in a masked random order, as MAR (decode/masked_baseline.py, decode/cspd_mar.py).
     token_kind = "masked"
     num_classes = None  # text-to-image
+    pads_prompts = True  # prompts of any lengths share a batch (backbones.base.group_by_prompt_length)
 
     def __init__(
         self,
@@ -346,6 +356,37 @@ class HarmonBackbone(nn.Module):
         z = self.conditions(tokens, known, condition)
         return z.gather(1, positions[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1)
 
+    def prompt_token_ids(self, condition) -> torch.Tensor:
+        """(B, P) the templated conditional prompts' token ids, right-padded with EOS (what the LLM reads)."""
+        return self.prompt_condition(condition.prompts, guided=False).input_ids
+
+    def condition_state(self, prompts: Sequence[str], guided: bool) -> HarmonCondition:
+        """What `conditions` reads for these prompts: their [cond; uncond] KV cache (`prompt_condition`; the
+        masked generators' name for it, MAR's being its class embeddings)."""
+        return self.prompt_condition(prompts, guided)
+
+    def repeat_condition(self, state: HarmonCondition, times: int, guided: bool) -> HarmonCondition:
+        """`state` for `times` copies of the batch: [cond x times; uncond x times], the twins' row layout."""
+        if state.guided != guided:
+            raise ValueError(f"the condition was made with guided={state.guided}, this call needs {guided}")
+        twins = 2 if guided else 1
+        past = tuple(tuple(repeat_twin_blocks(t, times, twins) for t in layer) for layer in state.past)
+        ids, mask = (repeat_twin_blocks(t, times, twins) for t in (state.input_ids, state.attention_mask))
+        return HarmonCondition(ids, mask, past, guided)
+
+    def load_drafter(self, path: str | Path, device: str | torch.device | None = None) -> HarmonBackbone:
+        """A Harmon checkpoint at `path` (its directory also holding its LLM's config and tokenizer) loaded to
+        draft for this model: its device, dtype, grid, steps, CFG schedule and last-step setting."""
+        return load_harmon_backbone(
+            path,
+            device=str(device or self.z_proj.weight.device),
+            dtype=str(self.z_proj.weight.dtype).removeprefix("torch."),
+            grid_size=self.grid_size,
+            num_iter=self.num_iter,
+            cfg_schedule=self.cfg_schedule,
+            final_step_noise=self.config.final_step_noise,
+        )
+
     def _condition(self, prompts: Sequence[str] | HarmonCondition, guided: bool) -> HarmonCondition:
         if not isinstance(prompts, HarmonCondition):
             return self.prompt_condition(prompts, guided)
@@ -467,7 +508,8 @@ def _llm_advice(size: str) -> str:
     return (
         f"Harmon reads its LLM's config and tokenizer from {llm} (the weights come from the Harmon checkpoint):\n"
         f"  huggingface-cli download {llm} --include '*.json' merges.txt vocab.json --local-dir <dir>\n"
-        "(Qwen/Qwen2.5-1.5B-Instruct for harmon_1.5b) and set backbone.llm_path=<dir>"
+        "(Qwen/Qwen2.5-1.5B-Instruct for harmon_1.5b) and set backbone.llm_path=<dir>, or put them beside the "
+        "checkpoint (the only way for a drafter: decode.mar_drafter=<that dir>)"
     )
 
 
@@ -490,7 +532,8 @@ def load_harmon_backbone(
     `path` is ``harmon_0.5b.pth`` / ``harmon_1.5b.pth`` (or a directory holding one; HF ``wusize/harmon``), a
     plain state dict read with ``torch.load(weights_only=True)`` unless `trust_pickle`. `llm_path` is a local
     directory of the matching Qwen2.5-Instruct model: its config.json and tokenizer are used (its weights
-    are not: Harmon's checkpoint holds the trained LLM). `size` "auto" reads it off the weights. `grid_size`
+    are not: Harmon's checkpoint holds the trained LLM); None: the checkpoint's own directory, if it holds
+    them (how `load_drafter` finds a drafter's). `size` "auto" reads it off the weights. `grid_size`
     is the token grid (image size / 16: 32 for the official 512 px), `num_iter` and `cfg_schedule` how this
     model generates in `python -m decode` (the official script: 64, constant); `final_step_noise` see
     `MARConfig`; `vae_path` the KL-16 VAE (``kl16.ckpt``) for pixels; `attn_implementation` the LLM's
@@ -506,6 +549,8 @@ def load_harmon_backbone(
         path = next((p for p in candidates if p.is_file()), candidates[0])
     if not path.is_file():
         raise FileNotFoundError(f"no Harmon checkpoint at {path}: {_download_advice(size)}")
+    if llm_path is None and (path.parent / "config.json").is_file():
+        llm_path = path.parent  # the checkpoint beside its LLM's config and tokenizer (how a drafter is given)
     if llm_path is None:  # (a config default, so that a missing checkpoint is reported first)
         raise FileNotFoundError(f"no LLM directory given: {_llm_advice(size)}")
     llm_path = Path(llm_path)
@@ -584,6 +629,7 @@ def random_harmon_backbone(
     dtype: str = "float32",
     final_step_noise: bool = False,
     llm_hidden_size: int = 32,
+    vae_seed: int | None = None,
     **mar_overrides,
 ) -> HarmonBackbone:
     """Hydra entry point: a tiny random-weight Harmon (tests; nothing to download).
@@ -591,6 +637,7 @@ def random_harmon_backbone(
     MAR is `mar_config("tiny")` (learned 4x4 grid, 4-channel tokens), generating on `grid_size` (8: twice
     the learned grid, as 512 px is for the released 16x16); the LLM a 2-layer Qwen2 of width
     `llm_hidden_size` with `tiny_harmon_tokenizer`. Weights as `random_mar_backbone`'s (norms centred on 1).
+    `vae_seed`: attach a tiny random KL VAE (`backbones.mar_vae.random_kl_vae`, 2 pixels per token).
     """
     torch.manual_seed(seed)
     backbone = HarmonBackbone(
@@ -607,6 +654,8 @@ def random_harmon_backbone(
             nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
             if name.endswith("weight") and ("norm" in name or "_ln" in name):
                 parameter.add_(1.0)
+    if vae_seed is not None:
+        backbone.attach_vae(random_kl_vae(vae_seed, dtype=dtype, embed_dim=backbone.token_dim))
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 

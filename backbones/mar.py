@@ -509,6 +509,27 @@ class MARBackbone(nn.Module):
             x = block(x)
         return self.decoder_norm(x)[:, self.buffer_size :] + diffusion_pos_embed
 
+    def condition_state(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
+        """What `conditions` reads for these class ids: their buffer embeddings, [class; fake latent] twins when
+        `guided` (the masked generators' name for it; Harmon's is its prompts' KV cache)."""
+        return self.class_embedding(class_ids, guided)
+
+    def repeat_condition(self, state: torch.Tensor, times: int, guided: bool) -> torch.Tensor:
+        """`state` for `times` copies of the batch: [cond x times; uncond x times], the twins' row layout."""
+        return repeat_twin_blocks(state, times, 2 if guided else 1)
+
+    def load_drafter(self, path: str | Path, device: str | torch.device | None = None) -> MARBackbone:
+        """A MAR checkpoint at `path` loaded to draft for this model: its device, dtype, steps, CFG schedule
+        and last-step setting (CSpD shares the trajectory noise, so these must agree)."""
+        return load_mar_backbone(
+            path,
+            device=str(device or self.z_proj.weight.device),
+            dtype=str(self.z_proj.weight.dtype).removeprefix("torch."),
+            num_iter=self.num_iter,
+            cfg_schedule=self.cfg_schedule,
+            final_step_noise=self.config.final_step_noise,
+        )
+
     def class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
         """The buffer's class embeddings (B, dim), or (2B, dim) as [class; fake latent] when `guided`."""
         if class_ids.dim() != 1:
@@ -661,6 +682,11 @@ class MARBackbone(nn.Module):
     def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1] -> tokens (B, H / 16, W / 16, token_dim) (the VAE posterior's mean)."""
         return self._pixel_codec(images.device).pixels_to_tokens(images)
+
+
+def repeat_twin_blocks(rows: torch.Tensor, times: int, twins: int) -> torch.Tensor:
+    """rows (twins * B, ...) as [cond; uncond] blocks -> (twins * times * B, ...): each block `times` times over."""
+    return torch.cat([block.repeat(times, *[1] * (rows.dim() - 1)) for block in rows.chunk(twins)])
 
 
 def gather_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -830,5 +856,6 @@ __all__ = [
     "official_name",
     "random_mar_backbone",
     "reveal",
+    "repeat_twin_blocks",
     "reveal_steps",
 ]

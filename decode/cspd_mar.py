@@ -1,5 +1,10 @@
 """CSpD on MAR: a smaller MAR drafts whole generation steps, the target MAR verifies them in one pass.
 
+The same for Harmon (backbones/harmon.py, MAR with an LLM reading the prompt): Harmon-0.5B drafts for
+Harmon-1.5B. Both families give the generator the same few things (`MARBackbone` and `HarmonBackbone`):
+`condition_state` (class embeddings or the prompts' KV cache), `repeat_condition`, `conditions`,
+`conditions_at`, `sample_positions`, and `load_drafter`.
+
 Wang et al., 2026, "Continuous Speculative Decoding for Autoregressive Image
 Generation"; code at MarkXCloud/CSpD (`spec_decode/spec_decode_runner.py` on top
 of LTH14/mar; its demo `demo/run_mar.ipynb` drafts with MAR-B for MAR-H, 256
@@ -59,9 +64,9 @@ import torch
 
 from backbones.base import Condition
 from backbones.diffusion_head import DiffusionSample
-from backbones.mar import MARBackbone, RevealStep, gather_positions, load_mar_backbone, reveal, reveal_steps
+from backbones.mar import MARBackbone, RevealStep, gather_positions, reveal, reveal_steps
 from decode.cspd import check_verification
-from decode.masked_baseline import masked_class_ids
+from decode.masked_baseline import masked_inputs
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import gaussian_verdicts, resample_rejected
@@ -102,7 +107,7 @@ def prefill_steps(fraction: float, steps: int) -> int:
 def generate_cspd_mar(
     target: MARBackbone,
     drafter: MARBackbone,
-    class_ids: torch.Tensor,
+    class_ids: torch.Tensor | list[str],
     settings: CSpDMARConfig,
     num_iter: int,
     cfg_scale: float = 1.0,
@@ -112,7 +117,8 @@ def generate_cspd_mar(
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """Generate one image per class id with `drafter` drafting MAR steps and `target` verifying (module doc).
+    """Generate one image per class id (MAR; prompts for Harmon) with `drafter` drafting steps and `target`
+    verifying (module doc).
 
     `orders` (B, seq_len) and `noise` (B, seq_len, noise_steps, token_dim) as `MARBackbone.sample` takes them
     (drawn from `generator` when None): with the same ones and a drafter equal to the target every draft is
@@ -126,7 +132,8 @@ def generate_cspd_mar(
             "reference's verification (the cspd_mar_reference preset, not lossless)"
         )
     batch, device = len(class_ids), target.z_proj.weight.device
-    class_ids = class_ids.to(device)
+    if isinstance(class_ids, torch.Tensor):
+        class_ids = class_ids.to(device)
     steps = reveal_steps(target.seq_len, num_iter, cfg_scale, cfg_schedule)
     orders = target.check_orders(orders, batch, generator, device)
     noise = target.check_noise(noise, batch, generator, device)
@@ -192,11 +199,12 @@ class _Run:
     temperature: float
     generator: torch.Generator | None
     guided: bool
-    class_ids: torch.Tensor
+    class_ids: torch.Tensor | list[str]  # (prompts for Harmon)
 
     def __post_init__(self):
-        self.target_classes = self.target.class_embedding(self.class_ids, self.guided)
-        self.drafter_classes = self.drafter.class_embedding(self.class_ids, self.guided)
+        # What each model's `conditions` reads (class embeddings; Harmon: the prompts' KV cache), made once.
+        self.target_classes = self.target.condition_state(self.class_ids, self.guided)
+        self.drafter_classes = self.drafter.condition_state(self.class_ids, self.guided)
 
     def positions(self, step: RevealStep) -> torch.Tensor:
         return self.orders[:, step.start : step.end]
@@ -264,7 +272,7 @@ def _prefix_round(
         row_known.append(next_known)
     rows = len(row_steps)
     twins = 2 if run.guided else 1
-    stacked_classes = torch.cat([c.repeat(rows, 1) for c in run.target_classes.chunk(twins)])
+    stacked_classes = target.repeat_condition(run.target_classes, rows, run.guided)
     # [cond rows 0..R-1; uncond rows 0..R-1], each block of B images: the twins' layout of `conditions`.
     all_tokens, all_known = torch.cat(row_tokens), torch.cat(row_known)
     z = target.conditions(all_tokens.repeat(twins, 1, 1), all_known.repeat(twins, 1), stacked_classes)
@@ -348,36 +356,37 @@ def _split_rows(sampled: DiffusionSample, counts: list[int], batch: int) -> list
 
 
 def check_compatible(target: MARBackbone, drafter: MARBackbone) -> None:
-    """A drafter must share the target's grid, token size, classes and diffusion steps (they share noise)."""
-    mine, theirs = drafter.config, target.config
-    for key in ("grid_size", "token_dim", "num_classes", "sampling_steps", "final_step_noise"):
-        if getattr(mine, key) != getattr(theirs, key):
+    """A drafter must be of the target's family and share its grid, token size, classes and diffusion steps
+    (they share noise)."""
+    if type(drafter) is not type(target):
+        raise ValueError(
+            f"the CSpD drafter {drafter.name} ({type(drafter).__name__}) cannot draft for {target.name} "
+            f"({type(target).__name__}): give a smaller model of the same family"
+        )
+    keys = ("grid_size", "token_dim", "num_classes", "sampling_steps", "final_step_noise")
+    pairs = {key: (getattr(drafter.config, key), getattr(target.config, key)) for key in keys}
+    pairs["seq_len"] = (drafter.seq_len, target.seq_len)  # the grid in use (Harmon's differs from its learned one)
+    for key, (mine, theirs) in pairs.items():
+        if mine != theirs:
             raise ValueError(
-                f"the CSpD drafter {drafter.name} has {key}={getattr(mine, key)}, the target {target.name} "
-                f"{getattr(theirs, key)}: a MAR drafter must share the target's grid, tokens, classes and "
-                "diffusion sampling (load it with the same settings)"
+                f"the CSpD drafter {drafter.name} has {key}={mine}, the target {target.name} {theirs}: a drafter "
+                "must share the target's grid, tokens, classes and diffusion sampling (load it with the same settings)"
             )
 
 
 def load_mar_drafter(path, backbone: MARBackbone, device=None, kind: str = "cspd_mar") -> MARBackbone:
-    """The registry's loader for `drafter:` (an official MAR checkpoint, its size read off its weights),
-    loaded in the target's dtype, steps and last-step setting, and checked against it."""
-    drafter = load_mar_backbone(
-        path,
-        device=str(device or next(backbone.parameters()).device),
-        dtype=str(next(backbone.parameters()).dtype).removeprefix("torch."),
-        num_iter=backbone.num_iter,
-        cfg_schedule=backbone.cfg_schedule,
-        final_step_noise=backbone.config.final_step_noise,
-    )
+    """The registry's loader for `drafter:` (an official checkpoint of the backbone's family, its size read off
+    its weights; `MARBackbone.load_drafter`, `HarmonBackbone.load_drafter`), loaded in the target's dtype,
+    steps and last-step setting, and checked against it."""
+    drafter = backbone.load_drafter(path, device)
     check_compatible(backbone, drafter)
     return drafter
 
 
 def _generate(backbone, drafter, condition: Condition, sampling: SamplingConfig, generator, settings):
-    class_ids = masked_class_ids(backbone, condition, sampling)
+    inputs = masked_inputs(backbone, condition, sampling)
     return generate_cspd_mar(
-        backbone, drafter, class_ids, settings, backbone.num_iter, sampling.cfg_scale,
+        backbone, drafter, inputs, settings, backbone.num_iter, sampling.cfg_scale,
         backbone.cfg_schedule, sampling.temperature, generator=generator,
     )  # fmt: skip
 

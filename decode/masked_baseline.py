@@ -1,6 +1,6 @@
-"""The baseline of a masked random-order backbone (MAR): its own sampler, one encoder-decoder pass per step.
+"""The baseline of a masked random-order backbone (MAR, Harmon): its own sampler, one pass per step.
 
-`ar` runs this on a backbone whose ``token_kind`` is "masked" (backbones/mar.py), at the
+`ar` runs this on a backbone whose ``token_kind`` is "masked" (backbones/mar.py, backbones/harmon.py), at the
 backbone's ``num_iter`` and ``cfg_schedule``, so that every method of a run generates the
 same way and is measured against the same baseline.
 """
@@ -16,9 +16,14 @@ from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 
 
-def masked_class_ids(backbone: MARBackbone, condition: Condition, sampling: SamplingConfig) -> torch.Tensor:
-    """The class ids of a run on MAR, its sampling checked (CFG and temperature only); every MAR method's check."""
+def masked_inputs(backbone: MARBackbone, condition: Condition, sampling: SamplingConfig) -> torch.Tensor | list[str]:
+    """What a masked backbone conditions on, its sampling checked (CFG and temperature only; every masked
+    method's check): class ids for MAR, prompts for Harmon (``num_classes`` None)."""
     check_continuous_sampling(sampling)
+    if backbone.num_classes is None:
+        if condition.prompts is None:
+            raise ValueError(f"{backbone.name} is text-to-image: give prompts, not class ids")
+        return list(condition.prompts)
     if condition.class_ids is None:
         raise ValueError(f"{backbone.name} is class-conditional: give class ids, not prompts")
     return condition.class_ids
@@ -31,11 +36,12 @@ def generate_masked(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """One image per class id with MAR's own sampler; a pass per step that reveals tokens (guided twins batched)."""
-    class_ids = masked_class_ids(backbone, condition, sampling)
+    """One image per class id (MAR) or prompt (Harmon) with the model's own sampler; a pass per step that reveals
+    tokens (guided twins batched)."""
+    inputs = masked_inputs(backbone, condition, sampling)
     grid = backbone.geometry
     tokens = backbone.sample(
-        class_ids,
+        inputs,
         num_iter=backbone.num_iter,
         cfg_scale=sampling.cfg_scale,
         cfg_schedule=backbone.cfg_schedule,

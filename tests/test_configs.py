@@ -33,6 +33,7 @@ TINY_SWAPS = {
     "cspd_rows": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
     "cspd_rows_digits": ["data=digits_continuous_tiny", "backbone=digits_continuous_tiny"],
     "cspd_mar": ["backbone=mar_tiny"],  # MAR has no training: the experiment decodes (a random tiny instance here)
+    "cspd_harmon": ["backbone=harmon_tiny"],  # nor Harmon
 }
 
 
