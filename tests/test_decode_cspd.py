@@ -450,14 +450,16 @@ def test_row_drafts_of_the_backbones_own_states_are_all_accepted(cfg_scale):
     )  # the first row by the backbone, then one pass per row (bonus: next row's first)
 
 
-def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
+# On the digits (the experiment's data) and on the backbone's own samples (the corpus, batches of dicts).
+@pytest.mark.parametrize("data", [None, ["data=corpus_continuous", *TINY_CONTINUOUS_CORPUS]], ids=["digits", "corpus"])
+def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache, data):
     from conftest import compose_config
 
     from heads.export import load_heads
     from train.pipeline import run_training
 
     export = tmp_path / "export"
-    tiny = tiny_continuous_experiment("cspd_rows_digits", export, tmp_path, continuous_classifier_cache)
+    tiny = tiny_continuous_experiment("cspd_rows_digits", export, tmp_path, continuous_classifier_cache, data=data)
     tiny.append("module.head.width=16")
     metrics = run_training(compose_config(tiny, tmp_path / "run"))
     assert metrics["train/latent_loss"] > 0 and metrics["train/diffusion_loss"] > 0

@@ -1,12 +1,13 @@
 """Lightning module that trains continuous row heads (heads/cspd.py `ContinuousRowHeads`) against a frozen backbone.
 
 The backbone's states are computed teacher-forced on the digits (the data it was
-trained on), with class dropout so the heads also see the unconditional twin's
-states that guidance mixes in. The vertical head predicts, from each committed
-row's states and tokens, the states of the row below; the loss is SSD's
-SmoothL1 on the predicted state plus the backbone's own (frozen) diffusion loss
-of the true token below given the predicted state: a draft is only as good as
-the tokens the backbone's diffusion head samples from it.
+trained on) or on its own samples (``data=corpus_continuous``), with class
+dropout so the heads also see the unconditional twin's states that guidance
+mixes in. The vertical head predicts, from each committed row's states and
+tokens, the states of the row below; the loss is SSD's SmoothL1 on the predicted
+state plus the backbone's own (frozen) diffusion loss of the true token below
+given the predicted state: a draft is only as good as the tokens the backbone's
+diffusion head samples from it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from backbones.continuous import ContinuousARBackbone
 from heads.cspd import ContinuousRowHeads
 from heads.export import export_heads
 from heads.ssd import SSDHeadConfig
+from train.continuous_backbone_module import tokens_and_classes
 from train.schedules import warmup_cosine_optimizers
 
 
@@ -65,7 +67,7 @@ class ContinuousRowHeadTraining(pl.LightningModule):
         return latent, diffusion
 
     def training_step(self, batch, batch_idx):
-        tokens, class_ids = batch
+        tokens, class_ids = tokens_and_classes(batch)
         dropped = torch.rand(class_ids.shape, device=class_ids.device) < self.class_dropout
         class_ids = torch.where(dropped, torch.full_like(class_ids, self.backbone.num_classes), class_ids)
         latent, diffusion = self._losses(tokens, class_ids)
@@ -74,7 +76,7 @@ class ContinuousRowHeadTraining(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         torch.manual_seed(batch_idx)  # the same diffusion steps and noise at every validation
-        latent, diffusion = self._losses(*batch)
+        latent, diffusion = self._losses(*tokens_and_classes(batch))
         self.log_dict({"val/latent_loss": latent, "val/diffusion_loss": diffusion})
 
     @torch.no_grad()
