@@ -60,20 +60,17 @@ reverse step divides by sqrt(alpha_bar_T) ~ 5e-5, which amplifies any rounding).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, Qwen2Config, Qwen2Model
 
 from backbones.base import ImageGeometry
-from backbones.continuous import continuous_identity
 from backbones.diffusion_head import DiffusionHead
 from backbones.hf_loading import load_torch_checkpoint
 from backbones.mar import (
@@ -142,6 +139,9 @@ class HarmonCondition:
     def batch(self) -> int:
         return self.rows // 2 if self.guided else self.rows
 
+    def __len__(self) -> int:
+        return self.rows
+
     def cache(self) -> DynamicCache:
         """A fresh cache over the prompt: the LLM extends a copy, the prompt's tensors stay as they are (what
         Harmon's ``curtail_cache`` restores after every step)."""
@@ -192,6 +192,9 @@ class HarmonBackbone(nn.Module):
     sample_positions = MARBackbone.sample_positions
     check_orders = MARBackbone.check_orders
     check_noise = MARBackbone.check_noise
+    conditions_at = MARBackbone.conditions_at  # (a guided condition has twice the tokens' rows)
+    weights_fingerprint = MARBackbone.weights_fingerprint  # (of every weight: MAR, LLM, projections)
+    drafter_settings = MARBackbone.drafter_settings
 
     @property
     def diffusion(self) -> DiffusionHead:
@@ -202,23 +205,8 @@ class HarmonBackbone(nn.Module):
         return self.mar.z_proj
 
     def identity(self) -> dict:
-        """What a run records and a drafter is checked against: name, sizes, geometry, a weights fingerprint."""
-        return {
-            **continuous_identity(self),
-            "noise_steps": self.diffusion.noise_steps,
-            "final_step_noise": self.config.final_step_noise,
-            "num_iter": self.num_iter,
-            "cfg_schedule": self.cfg_schedule,
-            "llm_hidden_size": self.llm_hidden_size,
-        }
-
-    def weights_fingerprint(self) -> str:
-        """A short hash of the generator's weights (their sum per tensor, rounded)."""
-        digest = hashlib.sha1()
-        for name, value in self.state_dict().items():
-            digest.update(name.encode())
-            digest.update(np.float64(value.double().sum().item()).round(4).tobytes())
-        return digest.hexdigest()[:12]
+        """What a run records and a drafter is checked against: MAR's, and the LLM's width."""
+        return {**MARBackbone.identity(self), "llm_hidden_size": self.llm_hidden_size}
 
     # ---- official weights ------------------------------------------------------------------
 
@@ -342,19 +330,7 @@ class HarmonBackbone(nn.Module):
         ).last_hidden_state  # (rows, width, H)
         hidden = torch.cat([hidden[:, -buffer:], hidden[:, :-buffer]], dim=1)  # back to [buffer; known; padding]
         x = encoded.x + self.proj_out(hidden).to(encoded.x.dtype)  # Harmon's residual
-        return self.mar.decode_conditions(
-            type(encoded)(x, encoded.kept, encoded.valid, encoded.positions), decoder_pos, diffusion_pos
-        )
-
-    def conditions_at(
-        self, tokens: torch.Tensor, known: torch.Tensor, condition: HarmonCondition, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The conditions of `positions` (B, n) given the known tokens: (B*n, dim), or (2B*n, dim) as
-        [cond; uncond] when the condition is guided (the diffusion head's layout)."""
-        if condition.guided:
-            tokens, known, positions = torch.cat([tokens, tokens]), torch.cat([known, known]), positions.repeat(2, 1)
-        z = self.conditions(tokens, known, condition)
-        return z.gather(1, positions[..., None].expand(-1, -1, z.shape[-1])).flatten(0, 1)
+        return self.mar.decode_conditions(replace(encoded, x=x), decoder_pos, diffusion_pos)
 
     def prompt_token_ids(self, condition) -> torch.Tensor:
         """(B, P) the templated conditional prompts' token ids, right-padded with EOS (what the LLM reads)."""
@@ -376,16 +352,8 @@ class HarmonBackbone(nn.Module):
 
     def load_drafter(self, path: str | Path, device: str | torch.device | None = None) -> HarmonBackbone:
         """A Harmon checkpoint at `path` (its directory also holding its LLM's config and tokenizer) loaded to
-        draft for this model: its device, dtype, grid, steps, CFG schedule and last-step setting."""
-        return load_harmon_backbone(
-            path,
-            device=str(device or self.z_proj.weight.device),
-            dtype=str(self.z_proj.weight.dtype).removeprefix("torch."),
-            grid_size=self.grid_size,
-            num_iter=self.num_iter,
-            cfg_schedule=self.cfg_schedule,
-            final_step_noise=self.config.final_step_noise,
-        )
+        draft for this model: MAR's `drafter_settings` and this model's grid."""
+        return load_harmon_backbone(path, grid_size=self.grid_size, **self.drafter_settings(device))
 
     def _condition(self, prompts: Sequence[str] | HarmonCondition, guided: bool) -> HarmonCondition:
         if not isinstance(prompts, HarmonCondition):

@@ -518,17 +518,20 @@ class MARBackbone(nn.Module):
         """`state` for `times` copies of the batch: [cond x times; uncond x times], the twins' row layout."""
         return repeat_twin_blocks(state, times, 2 if guided else 1)
 
+    def drafter_settings(self, device: str | torch.device | None = None) -> dict:
+        """The loader's arguments a drafter of this model takes from it: device, dtype, steps, CFG schedule and
+        last-step setting (CSpD shares the trajectory noise and the steps, so these must agree)."""
+        return {
+            "device": str(device or self.z_proj.weight.device),
+            "dtype": str(self.z_proj.weight.dtype).removeprefix("torch."),
+            "num_iter": self.num_iter,
+            "cfg_schedule": self.cfg_schedule,
+            "final_step_noise": self.config.final_step_noise,
+        }
+
     def load_drafter(self, path: str | Path, device: str | torch.device | None = None) -> MARBackbone:
-        """A MAR checkpoint at `path` loaded to draft for this model: its device, dtype, steps, CFG schedule
-        and last-step setting (CSpD shares the trajectory noise, so these must agree)."""
-        return load_mar_backbone(
-            path,
-            device=str(device or self.z_proj.weight.device),
-            dtype=str(self.z_proj.weight.dtype).removeprefix("torch."),
-            num_iter=self.num_iter,
-            cfg_schedule=self.cfg_schedule,
-            final_step_noise=self.config.final_step_noise,
-        )
+        """A MAR checkpoint at `path` loaded to draft for this model (`drafter_settings`)."""
+        return load_mar_backbone(path, **self.drafter_settings(device))
 
     def class_embedding(self, class_ids: torch.Tensor, guided: bool) -> torch.Tensor:
         """The buffer's class embeddings (B, dim), or (2B, dim) as [class; fake latent] when `guided`."""
@@ -611,8 +614,9 @@ class MARBackbone(nn.Module):
         self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """The conditions of `positions` (B, n) given the known tokens: (B*n, dim), or (2B*n, dim) as
-        [cond; uncond] when `class_embedding` holds twins (the diffusion head's layout)."""
-        guided = class_embedding.shape[0] == 2 * tokens.shape[0]
+        [cond; uncond] when `class_embedding` holds twins (the diffusion head's layout). (Harmon's too: its
+        condition's len is its rows.)"""
+        guided = len(class_embedding) == 2 * len(tokens)
         if guided:
             tokens, known, positions = torch.cat([tokens, tokens]), torch.cat([known, known]), positions.repeat(2, 1)
         z = self.conditions(tokens, known, class_embedding)
