@@ -79,11 +79,12 @@ from backbones.mar import (
     gather_positions,
     infer_size,
     mar_config,
+    randomized,
     repeat_twin_blocks,
     reveal,
     reveal_steps,
 )
-from backbones.mar_vae import MARKLVAE, load_kl16_vae, random_kl_vae
+from backbones.mar_vae import MARKLVAE, load_kl16_vae
 
 log = logging.getLogger(__name__)
 
@@ -617,14 +618,7 @@ def random_harmon_backbone(
         cfg_schedule,
         name="harmon-tiny-random",
     )
-    with torch.no_grad():
-        for name, parameter in backbone.named_parameters():
-            nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
-            if name.endswith("weight") and ("norm" in name or "_ln" in name):
-                parameter.add_(1.0)
-    if vae_seed is not None:
-        backbone.attach_vae(random_kl_vae(vae_seed, dtype=dtype, embed_dim=backbone.token_dim))
-    return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    return randomized(backbone, device, dtype, vae_seed)
 
 
 __all__ = [

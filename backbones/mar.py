@@ -836,6 +836,12 @@ def random_mar_backbone(
     """
     torch.manual_seed(seed)
     backbone = MARBackbone(mar_config(size, **overrides), num_iter, cfg_schedule)
+    return randomized(backbone, device, dtype, vae_seed)
+
+
+def randomized(backbone: nn.Module, device: str, dtype: str, vae_seed: int | None) -> nn.Module:
+    """`backbone` (MAR or Harmon) with the tiny test instances' random weights, drawn from the global generator
+    (normal; norm weights centred on 1), a tiny random KL VAE when `vae_seed` is given, frozen on `device`."""
     with torch.no_grad():
         for name, parameter in backbone.named_parameters():
             nn.init.normal_(parameter, std=0.5 if parameter.dim() == 1 else 0.2)
@@ -859,6 +865,7 @@ __all__ = [
     "mask_lengths",
     "official_name",
     "random_mar_backbone",
+    "randomized",
     "reveal",
     "repeat_twin_blocks",
     "reveal_steps",
