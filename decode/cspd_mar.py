@@ -203,8 +203,8 @@ class _Run:
 
     def __post_init__(self):
         # What each model's `conditions` reads (class embeddings; Harmon: the prompts' KV cache), made once.
-        self.target_classes = self.target.condition_state(self.class_ids, self.guided)
-        self.drafter_classes = self.drafter.condition_state(self.class_ids, self.guided)
+        self.target_condition = self.target.condition_state(self.class_ids, self.guided)
+        self.drafter_condition = self.drafter.condition_state(self.class_ids, self.guided)
 
     def positions(self, step: RevealStep) -> torch.Tensor:
         return self.orders[:, step.start : step.end]
@@ -212,7 +212,7 @@ class _Run:
     def target_step(self, tokens, known, step: RevealStep):
         """One step of the target's own sampler (the pre-fill)."""
         positions = self.positions(step)
-        z = self.target.conditions_at(tokens, known, self.target_classes, positions)
+        z = self.target.conditions_at(tokens, known, self.target_condition, positions)
         noise = gather_positions(self.noise, positions)
         drawn = self.target.sample_positions(z, noise, step.cfg_scale, self.temperature)
         return reveal(tokens, known, positions, drawn.tokens)
@@ -225,7 +225,7 @@ class _Run:
         drafts = []
         for r, step in enumerate(window):
             positions = self.positions(step)
-            z = self.drafter.conditions_at(tokens, known, self.drafter_classes, positions)
+            z = self.drafter.conditions_at(tokens, known, self.drafter_condition, positions)
             noise = gather_positions(self.draft_noise, positions)
             drawn = self.drafter.sample_positions(z, noise, step.cfg_scale, self.temperature)
             if ahead is not None and bool((ahead.steps > r).any()):
@@ -272,10 +272,10 @@ def _prefix_round(
         row_known.append(next_known)
     rows = len(row_steps)
     twins = 2 if run.guided else 1
-    stacked_classes = target.repeat_condition(run.target_classes, rows, run.guided)
+    stacked_conditions = target.repeat_condition(run.target_condition, rows, run.guided)
     # [cond rows 0..R-1; uncond rows 0..R-1], each block of B images: the twins' layout of `conditions`.
     all_tokens, all_known = torch.cat(row_tokens), torch.cat(row_known)
-    z = target.conditions(all_tokens.repeat(twins, 1, 1), all_known.repeat(twins, 1), stacked_classes)
+    z = target.conditions(all_tokens.repeat(twins, 1, 1), all_known.repeat(twins, 1), stacked_conditions)
     z = z.view(twins, rows, batch, target.seq_len, -1)
     counts["passes"] += 1
     counts["verify_rows"] += rows
@@ -333,7 +333,7 @@ def _window_round(run: _Run, tokens, known, window, settings: CSpDMARConfig, cou
     target = run.target
     drafts = run.draft(tokens, known, window, counts)
     positions = torch.cat([run.positions(step) for step in window], dim=1)
-    z = target.conditions_at(tokens, known, run.target_classes, positions)
+    z = target.conditions_at(tokens, known, run.target_condition, positions)
     counts["passes"] += 1
     counts["verify_rows"] += 1
     noise = gather_positions(run.noise, positions)
