@@ -77,3 +77,13 @@ def damaged_checkpoint(path: Path, error: Exception, what: str, redownload: str)
         f"{path} is damaged or not {what} ({type(error).__name__}: {str(error).splitlines()[0]}); "
         f"download it again {redownload}"
     )
+
+
+def load_safetensors_checkpoint(path: Path, what: str, redownload: str) -> dict:
+    """A .safetensors file's tensors on the CPU; a truncated or foreign file is `damaged_checkpoint`'s error."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except Exception as error:  # safetensors raises its own error types for truncated or foreign files
+        raise damaged_checkpoint(path, error, what, redownload) from error

@@ -73,7 +73,7 @@ from torch import nn
 from backbones.base import ImageGeometry
 from backbones.continuous import continuous_identity
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig, DiffusionSample
-from backbones.hf_loading import damaged_checkpoint, load_torch_checkpoint
+from backbones.hf_loading import load_safetensors_checkpoint, load_torch_checkpoint
 from backbones.mar_vae import MARKLVAE, load_kl16_vae, random_kl_vae
 
 README = "https://github.com/LTH14/mar#installation"
@@ -711,12 +711,7 @@ def _read_state_dict(path: Path, trust_pickle: bool) -> dict[str, torch.Tensor]:
     """The official state dict in `path`: ``model_ema`` (falling back to ``model``) of a checkpoint-last.pth,
     or a bare state dict (.pth or .safetensors)."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
-        except Exception as error:  # safetensors raises its own error types for truncated or foreign files
-            raise damaged_checkpoint(path, error, "a MAR checkpoint", f"({README})") from error
+        return load_safetensors_checkpoint(path, "a MAR checkpoint", f"({README})")
     checkpoint = load_torch_checkpoint(path, trust_pickle, "a MAR checkpoint", f"({README})")
     # main_mar.py saves {"model", "model_ema", "optimizer", "epoch", "scaler", "args"}; the demo loads "model_ema".
     for key in ("model_ema", "model"):

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from backbones.conv_autoencoder import AttnBlock, Downsample, ResBlock, Upsample, group_norm, run_level, swish
-from backbones.hf_loading import damaged_checkpoint, load_torch_checkpoint
+from backbones.hf_loading import load_safetensors_checkpoint, load_torch_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +222,7 @@ def read_vae_state_dict(path: Path, trust_pickle: bool = False) -> dict[str, tor
     """The state dict in ``kl16.ckpt`` (its ``"model"`` entry, as the official ``init_from_ckpt`` reads it),
     or a bare one (.pth, .safetensors)."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
-        except Exception as error:  # safetensors raises its own error types for truncated or foreign files
-            raise damaged_checkpoint(path, error, "a KL-16 VAE", f"({MAR_README})") from error
+        return load_safetensors_checkpoint(path, "a KL-16 VAE", f"({MAR_README})")
     checkpoint = load_torch_checkpoint(path, trust_pickle, "a KL-16 VAE checkpoint", f"({MAR_README})")
     state = checkpoint.get("model", checkpoint)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
