@@ -16,18 +16,21 @@ the seed-to-seed band of every method's quality, from one run.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from backbones.base import ARImageBackbone, Condition
+from common.progress import ProgressLog
 from decode.backbone_clock import clock_backbone_passes
 from decode.conditions import Conditions
 from decode.registry import Method
 from decode.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,7 @@ def run_interleaved(
     batch_size: int,
     sampling: SamplingConfig,
     seeds: list[int],
+    progress_seconds: float = 10.0,
 ) -> dict[str, list[SeedRun]]:
     """Generate every image with every method at every seed, taking turns batch by batch; {name: [SeedRun per seed]}."""
     device = next(backbone.parameters()).device
@@ -73,14 +77,28 @@ def run_interleaved(
         for method in methods
     }
     turns = [(k, b) for k in range(len(seeds)) for b in range(len(batches))]
-    for turn, (k, b) in enumerate(
-        tqdm(turns, desc=f"decode {len(methods)} methods", unit="batch", leave=False, disable=None)
-    ):
+    # A line every few seconds (terminal and log file alike): images done by every method, the running passes.
+    progress = ProgressLog(
+        f"decode {len(methods)} methods at batch {batch_size}",
+        len(seeds) * len(conditions),
+        "image",
+        log,
+        every_seconds=progress_seconds,
+    )
+    done = 0
+    for turn, (k, b) in enumerate(turns):
         indices, condition = batches[b]
         condition = _to(condition, device)
         for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:  # rotating order
             _timed_batch(method, runs[method.name][k], backbone, indices, condition, sampling, device)
+        done += len(indices)
+        progress.update(done, f"seed {seeds[k]}; passes/image " + _running_passes(runs, k))
     return runs
+
+
+def _running_passes(runs: dict[str, list[SeedRun]], k: int) -> str:
+    """'ar 576.0, ssd_exact 87.1': each method's passes per image so far at seed index k (one pass per batch)."""
+    return ", ".join(f"{name} {r[k].passes / max(len(r[k].batch_seconds), 1):.1f}" for name, r in runs.items())
 
 
 def _token_buffer(backbone, count: int) -> torch.Tensor:

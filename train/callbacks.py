@@ -1,13 +1,66 @@
-"""Training callbacks: periodic sample grids, so a run can be watched as pictures, not only as losses."""
+"""Training callbacks: progress lines that a log file shows, and periodic sample grids (a run watched as pictures)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import WandbLogger
 
+from common.progress import ProgressLog
 from decode.images import save_image_grid
+
+log = logging.getLogger(__name__)
+
+
+class ProgressLines(pl.Callback):
+    """A log line every `every_n_steps` optimizer steps (or `every_seconds`): step, loss, acceptance, time left.
+
+    Lightning's progress bar redraws itself on a terminal and shows nothing in a
+    log file; these lines go through `logging` (the terminal and the run's log
+    alike). Each validation adds a line with its loss and acceptance.
+    """
+
+    def __init__(self, every_n_steps: int = 25, every_seconds: float = 60.0):
+        if every_n_steps < 1 or every_seconds <= 0:
+            raise ValueError(
+                f"callbacks.progress every_n_steps must be >= 1 and every_seconds > 0, got {every_n_steps}, "
+                f"{every_seconds}"
+            )
+        self.every_n_steps, self.every_seconds = every_n_steps, every_seconds
+        self.progress: ProgressLog | None = None
+        self.first_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
+        # Resumed runs start part-way: the rate and time left count the steps this process makes.
+        self.first_step = trainer.global_step
+        self.progress = ProgressLog(
+            f"train (steps {self.first_step + 1}-{total})" if self.first_step else "train",
+            max(total - self.first_step, 1),
+            "step",
+            log,
+            self.every_seconds,
+            self.every_n_steps,
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        if self.progress is None or not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        metrics = trainer.callback_metrics
+        names = [name for name in ("train/loss", "train/acceptance") if name in metrics]
+        figures = [f"{name.split('/')[1]} {float(metrics[name]):.4f}" for name in names]
+        self.progress.update(step - self.first_step, ", ".join(figures))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        figures = [f"{k} {float(v):.4f}" for k, v in metrics.items() if k in ("val/loss", "val/acceptance")]
+        if figures:
+            log.info("validation at step %d: %s", trainer.global_step, ", ".join(figures))
 
 
 class SampleGrid(pl.Callback):
