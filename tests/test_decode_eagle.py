@@ -56,12 +56,17 @@ class _CountingCache:
 
 
 class OracleHead(torch.nn.Module):
-    """A 'head' that returns the backbone's own next states along a known image (rows, N + 1, H)."""
+    """A 'head' that returns the backbone's own next states along a known image, but only from the pair EAGLE's
+    head reads at grid position i: the state that predicted token i and token i's embedding (EAGLE's f_i with
+    x_{i+1} in the reference's numbering). Any other pair (a state or token one position off) gives the negated
+    state, whose draft is the argmin, so a mispaired chain is rejected; so are the positions `wrong` marks."""
 
-    def __init__(self, true_states: torch.Tensor):
+    def __init__(self, true_states: torch.Tensor, true_embeddings: torch.Tensor, wrong: torch.Tensor):
         super().__init__()
         self.fc = torch.nn.Linear(1, 1)  # decoding reads the head's dtype from fc
-        self.true = true_states
+        self.true = true_states  # (rows, N + 1, H): the entry at i predicts token i
+        self.embedded = true_embeddings  # (rows, N, H)
+        self.wrong = wrong  # (rows, N) bool: inputs at which the head predicts wrong anyway
 
     def new_cache(self):
         return _CountingCache()
@@ -69,22 +74,61 @@ class OracleHead(torch.nn.Module):
     def forward(self, states, token_embeddings, cache):
         start = cache.get_seq_length()
         cache.length = start + states.shape[1]
-        return self.true[:, start + 1 : cache.length + 1]  # the entry at i predicts the state at i + 1
+
+        def same(a, b):  # (rows, T): equal up to the rounding of a pass of another length
+            return (a - b).abs().amax(-1) <= 1e-4 * (1 + b.abs().amax(-1))
+
+        paired = same(states, self.true[:, start : cache.length]) & same(
+            token_embeddings, self.embedded[:, start : cache.length]
+        )
+        paired &= ~self.wrong[:, start : cache.length]
+        following = self.true[:, start + 1 : cache.length + 1]  # the entry at i predicts the state at i + 1
+        return torch.where(paired[..., None], following, -following)
 
 
-def test_a_head_that_predicts_the_backbone_states_is_accepted_everywhere(backbone8):
+@pytest.mark.parametrize("lagging", [False, True])
+def test_a_head_that_predicts_the_backbone_states_is_accepted_everywhere(backbone8, lagging):
     """The chain's bookkeeping (which state, which token, which position): a head that returns the backbone's
-    own next states makes every greedy draft pass, so the image costs one pass per depth + 1 tokens."""
+    own next states from correctly paired inputs makes every greedy draft pass, so the image costs one pass per
+    depth + 1 tokens; a state or token one position off is drafted wrong and rejected. `lagging`: the head is
+    wrong once for image 0 (its draft of position 11), which falls behind; image 1, ahead, then feeds the head
+    its own committed states and tokens, and only that one draft is rejected."""
     condition = Condition(class_ids=torch.tensor([1, 4]))
     sampling = SamplingConfig(cfg_scale=3.0, greedy=True)
     baseline = generate_ar(backbone8, condition, sampling)
+    tokens = baseline.tokens.flatten(1)  # (B, N)
     state, first = backbone8.prefill(condition, True)
-    true = torch.cat([first, backbone8.step(state, baseline.tokens.flatten(1)[:, :-1])], dim=1)  # (rows, N, H)
-    oracle = OracleHead(torch.cat([true, true[:, -1:]], dim=1))
+    true = torch.cat([first, backbone8.step(state, tokens[:, :-1])], dim=1)  # (rows, N, H)
+    embedded = backbone8.embed_image_tokens(tokens.repeat(true.shape[0] // len(tokens), 1))  # (rows, N, H)
+    wrong = torch.zeros(embedded.shape[:2], dtype=torch.bool)
+    wrong[:: len(tokens), 10] = lagging  # image 0's cache rows (cond, uncond): the input that drafts position 11
+    oracle = OracleHead(torch.cat([true, true[:, -1:]], dim=1), embedded, wrong)
     result = generate_eagle(backbone8, oracle, condition, sampling, None, EagleDecodeConfig(depth=7))
     assert torch.equal(result.tokens, baseline.tokens)
-    assert result.accepted_tokens == result.drafted_tokens == 2 * 56  # 2 images, 8 passes of 7 drafts
-    assert result.forward_passes == 1 + 64 // 8  # the prefill, then 8 tokens per pass
+    if not lagging:
+        assert result.accepted_tokens == result.drafted_tokens == 2 * 56  # 2 images, 8 passes of 7 drafts
+        assert result.forward_passes == 1 + 64 // 8  # the prefill, then 8 tokens per pass
+    else:
+        assert result.accepted_tokens == result.drafted_tokens - 1
+
+
+def test_the_heads_prediction_at_t_reads_state_t_and_token_t(backbone8):
+    """EagleHead fuses the state and the token embedding of the same position: its prediction at t changes with
+    either input at t and not with anything later, teacher-forced (training) and through its cache (drafting)."""
+    head = random_eagle_head(backbone8)
+    generator = torch.Generator().manual_seed(0)
+    states, embedded = torch.randn(2, 1, 6, backbone8.hidden_size, generator=generator)  # each (1, T=6, H)
+    with torch.no_grad():
+        base = head(states, embedded)
+        cache = head.new_cache()
+        stepped = torch.cat([head(states[:, i : i + 1], embedded[:, i : i + 1], cache) for i in range(6)], dim=1)
+        torch.testing.assert_close(stepped, base, atol=1e-5, rtol=1e-5)
+        for changed in (0, 1):  # the state at t = 3, then the token at t = 3
+            inputs = [states.clone(), embedded.clone()]
+            inputs[changed][:, 3] += 1.0
+            out = head(*inputs)
+            torch.testing.assert_close(out[:, :3], base[:, :3], msg=f"input {changed} at t = 3 reached t < 3")
+            assert (out[:, 3] - base[:, 3]).abs().amax() > 1e-3, f"input {changed} at t = 3 did not reach t = 3"
 
 
 @pytest.mark.parametrize("depth", [2, 5])

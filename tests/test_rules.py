@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from mock_backbone import MockBackbone, MockHeads
 
+from backbones.base import Condition
 from decode.rules import (
     accept_drafts,
     autocorrect_distributions,
@@ -16,6 +18,8 @@ from decode.rules import (
     relaxed_accept,
     residual_distribution,
 )
+from decode.sampling import SamplingConfig
+from decode.ssd import SSDDecodeConfig, generate_ssd
 
 # ---- exact speculative sampling ------------------------------------------------------------------
 
@@ -117,6 +121,43 @@ def test_relaxed_acceptance_divides_by_the_proposal_probability():
     # a drafter that proposes exactly p is always accepted, whatever the uniform
     u = torch.rand(4)
     assert relaxed_accept(p, x, neighbours, 0.0, False, u, q_of_tokens=p.gather(-1, x[:, None])[:, 0]).all()
+
+
+def test_pooled_mass_sums_nearest_first_not_in_mass_order():
+    """LANTERN's c_m by hand (jadohu/LANTERN ``evaluate_posterior``: cumsum of p over the draft's k nearest latents,
+    nearest first, the last prefix <= delta): masses that are not ascending nearest-first, so sorting them, reading
+    them farthest-first, skipping one that does not fit, or a budget off by a factor of 2 each give another c_m."""
+    # 1-D latents: from token 0 the others lie at 1 (token 3), 2 (1), 3 (4), 4 (2) and 9 (5, beyond k = 4)
+    latents = torch.tensor([[0.0], [2.0], [4.0], [1.0], [3.0], [9.0]])
+    neighbours = latent_neighbours(latents, 4)
+    assert neighbours[0].tolist() == [3, 1, 4, 2]
+    p = torch.tensor([[10, 2, 6, 8, 1, 5]]) / 32  # nearest-first masses of token 0's neighbours: 8, 2, 1, 6 (/32)
+    x = torch.tensor([0])
+    # prefix sums nearest first: 8, 10, 11, 17; ascending (1, 2, 6, 8): 1, 3, 9, 17; descending: 8, 14, ...
+    for budget, pooled in [
+        (12, 11),  # ascending or reversed 9, descending 8, budget 24 17, budget 6 0, the next prefix 17
+        (11, 11),  # a prefix exactly at the budget counts (<=, not <: 10)
+        (9, 8),  # the sum ends at the first prefix over the budget (skipping 2 to add 1 would make 9)
+    ]:
+        assert pooled_neighbour_mass(p, x, neighbours, budget / 32).item() == pooled / 32, budget
+    # the verdict at delta = 12/32: accept with probability min(1, (p(x) + c_m) / q(x)) = (10 + 11) / 24 = 0.875
+    q_x = torch.tensor([0.75, 0.75])
+    u = torch.tensor([0.86, 0.89])  # c_m 9/32 or 8/32 rejects both, 12/32 or more accepts both
+    assert relaxed_accept(p.expand(2, -1), x.expand(2), neighbours, 12 / 32, False, u, q_x).tolist() == [True, False]
+
+
+def test_ssd_relaxed_test_pools_within_its_own_budget():
+    """SSD's relaxed test passes relax_delta to the rule as it is. On the mock backbone p puts ~1 on the target
+    and ~2e-9 on each other token, and heads that add 2 draft a wrong token whose latent neighbours include the
+    target (k = 6: all of them): every prefix sum that reaches the target is ~1, over a budget of 0.6 (nothing
+    pooled but the ~1e-8 before it, every draft rejected) and within a budget twice that (every draft accepted)."""
+    backbone = MockBackbone(rows=4, cols=5)
+    result = generate_ssd(
+        backbone, MockHeads(7, 2, 2), Condition(class_ids=torch.zeros(3, dtype=torch.long)), SamplingConfig(),
+        torch.Generator().manual_seed(0), SSDDecodeConfig(mode="exact", relax_k=6, relax_delta=0.6),
+    )  # fmt: skip
+    assert result.accepted_tokens == 0 and result.drafted_tokens == 3 * 4 * 10  # 4 + 3 + 2 + 1 per row
+    assert torch.equal(result.tokens, backbone.target_tokens().expand(3, -1, -1))
 
 
 # ---- islands -----------------------------------------------------------------------------------
