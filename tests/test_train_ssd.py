@@ -157,11 +157,14 @@ def test_grid_head_targets_line_up_with_the_state_they_predict(tiny_backbone):
     tokens = torch.zeros(1, rows * cols, dtype=torch.long)
     seen = []
 
-    def grid(above, above_embedding, left, left_embedding):
+    # Training prepares the share from above once for whole rows (as decoding does), each step adds the left.
+    module.heads.grid.prepare_above = lambda above, above_embedding: above
+
+    def from_above(above, left, left_embedding):
         seen.append((above[..., 0].clone(), left[..., 0].clone()))
         return above + cols  # the state below the one above: exactly the target
 
-    module.heads.grid.forward = grid
+    module.heads.grid.from_above = from_above
     predictions = {name: (predicted, target) for name, predicted, target in module.predictions(hidden, tokens, False)}
     for step in (1, 2):
         predicted, target = predictions[f"grid_{step}"]
@@ -284,3 +287,46 @@ def test_a_sample_that_does_not_fit_the_corpus_is_named_with_its_shard(tiny_back
     message = f"sample 00000004 of .*shard-00001.tar does not fit this corpus: {named}"
     with pytest.raises(CorruptShardError, match=message):
         list(corpus_dataset(tmp_path, [shard_name(0), shard_name(1)]))
+
+
+def test_row_sampled_steps_train_on_rows_with_the_row_above_and_matching_twins(tiny_backbone):
+    """module.rows_per_image: each pair is (row r - 1, row r) of one image, the same rows for both CFG twins."""
+    module = SSDDistillation(
+        tiny_backbone, head=dict(width=16, depth=1), optimizer=torch.optim.AdamW, cfg_scale=3.0, rows_per_image=3
+    )
+    images, rows, cols = 4, 8, 8
+    # State value = 1000 * twin + 100 * image + row: every gathered state says where it came from.
+    twin = torch.arange(2)[:, None, None, None, None] * 1000
+    image = torch.arange(images)[None, :, None, None, None] * 100
+    row = torch.arange(rows)[None, None, :, None, None]
+    hidden = (twin + image + row).expand(2, images, rows, cols, 1).flatten(0, 1).float()
+    torch.manual_seed(0)
+    pairs, embedded = module.sampled_row_pairs(hidden, hidden.clone())
+    assert pairs.shape == (2 * images * 3, 2, cols, 1) and torch.equal(pairs, embedded)
+    above, below = pairs[:, 0, 0, 0], pairs[:, 1, 0, 0]
+    assert torch.equal(below - above, torch.ones_like(below))  # a row with the row above it
+    conditional, unconditional = below.chunk(2)
+    assert torch.equal(unconditional - conditional, torch.full_like(conditional, 1000))  # twins: the same rows
+    for k in range(images):  # distinct rows >= 1 of the image itself
+        own = conditional[3 * k : 3 * k + 3]
+        assert ((own // 100) == k).all() and len(set((own % 100).tolist())) == 3 and (own % 100 >= 1).all()
+    with pytest.raises(ValueError, match="rows_per_image"):
+        SSDDistillation(tiny_backbone, head=dict(width=16), optimizer=torch.optim.AdamW, rows_per_image=0)
+
+
+def test_row_sampled_steps_reduce_the_loss(tiny_backbone, tmp_path):
+    spec = CorpusSpec(num_images=8, shard_size=8, batch_size=8, store_hidden=True, cfg_scale=3.0)
+    build_corpus(tiny_backbone, tmp_path, spec)
+    batch = torch.utils.data.default_collate(list(corpus_dataset(tmp_path, [shard_name(0)])))
+    module = SSDDistillation(
+        tiny_backbone, head=dict(width=16, depth=1, grid=True), optimizer=torch.optim.AdamW, rows_per_image=2
+    )
+    optimizer = torch.optim.AdamW(module.heads.parameters(), lr=3e-3)
+    before, _ = module.losses(batch, noise=False)
+    for _ in range(30):
+        loss, _ = module.losses(batch, noise=True)  # training: sampled rows
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after, _ = module.losses(batch, noise=False)  # validation: whole images
+    assert after < 0.8 * before, (before, after)
