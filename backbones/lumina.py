@@ -1,5 +1,9 @@
 """Lumina-mGPT (transformers' ChameleonForConditionalGeneration with Lumina weights) behind the interface.
 
+Weights: the Hub releases (Alpha-VLLM/Lumina-mGPT-7B-768 ...) hold per-rank q/k norms and no VQ-VAE;
+``python -m backbones.convert lumina <release> <out> --vqgan <Meta's vqgan.ckpt>`` turns one into the
+transformers layout `load_lumina_backbone` loads (backbones/convert.py says what changes and why).
+
 Layout of one sequence (Lumina-mGPT's ``FlexARItemProcessor`` / ``inference_solver`` conventions,
 read from Lumina-mGPT's source, NOT checked against real weights in this repository):
 
@@ -75,6 +79,7 @@ from backbones.base import (
     contiguous_slice,
     pooled_prompt_embedding,
 )
+from backbones.convert import lumina_release_problems
 from backbones.hf_loading import (
     display_name,
     load_pretrained,
@@ -326,16 +331,29 @@ def load_lumina_backbone(
     trust_remote_code: bool = False,
     float32_head: bool = False,
 ) -> LuminaBackbone:
-    """Hydra entry point: frozen Lumina-mGPT from a transformers-format Chameleon weights directory."""
+    """Hydra entry point: frozen Lumina-mGPT from a transformers-format Chameleon weights directory.
+
+    The Hub releases are not that yet (per-rank q/k norms, no VQ-VAE): `backbones.convert` converts
+    them once, and a release given here as it is is refused with that command.
+    """
     directory = require_weights(
         path,
         MODEL_ID,
         how_to_get=(
-            f"a transformers-format ChameleonForConditionalGeneration checkpoint is needed: the original "
-            f"weights (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) are in Lumina-mGPT's own "
-            "format and must first be converted to transformers' Chameleon format"
+            "a transformers-format ChameleonForConditionalGeneration checkpoint is needed: download the "
+            f"release (`huggingface-cli download {MODEL_ID} --local-dir <dir>`) and convert it once with "
+            "`python -m backbones.convert lumina <dir> <out> --vqgan <Meta's Chameleon vqgan.ckpt>` "
+            "(docs/backbones.md), then give path=<out>"
         ),
     )
+    problems = lumina_release_problems(directory)
+    if problems:
+        raise ValueError(
+            f"{directory} is a Lumina-mGPT release in its own layout, which transformers' Chameleon does not "
+            f"load: {'; '.join(problems)}. Convert it once with `python -m backbones.convert lumina {directory} "
+            f"{directory}-chameleon --vqgan <Meta's Chameleon vqgan.ckpt>` (docs/backbones.md) and give "
+            f"path={directory}-chameleon"
+        )
     model = load_pretrained(ChameleonForConditionalGeneration, directory, dtype, trust_remote_code)
     name = display_name(directory, MODEL_ID)
     backbone = LuminaBackbone(
@@ -346,10 +364,27 @@ def load_lumina_backbone(
         eol_token_id=eol_token_id,
         pad_token_id=pad_token_id,
         uncond=uncond,
-        processor=load_processor(directory, trust_remote_code),
+        processor=_load_lumina_tokenizer(directory, trust_remote_code),
     )
     backbone.float32_head = float32_head
     return backbone.to(device).eval().requires_grad_(False)
+
+
+def _load_lumina_tokenizer(directory, trust_remote_code: bool = False):
+    """The processor, else the bare tokenizer, else None (``Condition(token_ids=...)`` still works).
+
+    Alpha-VLLM/Lumina-mGPT-7B-768 ships tokenizer files only (no preprocessor_config.json), which
+    AutoProcessor refuses; the other releases ship none (Lumina-mGPT's item processor reads 7B-768's).
+    """
+    processor = load_processor(directory, trust_remote_code)
+    if processor is not None:
+        return processor
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
 
 
 def _image_token_name(codebook_id: int) -> str:

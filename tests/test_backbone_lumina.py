@@ -271,6 +271,7 @@ def test_missing_weights_say_which_format_is_needed(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         load_lumina_backbone(str(tmp_path / "nowhere"))
     assert "transformers-format" in str(error.value) and "Chameleon" in str(error.value)
+    assert "python -m backbones.convert lumina" in str(error.value)  # the Hub release needs it (test_backbone_convert)
 
 
 def test_real_config_has_lumina_mgpt_768_geometry():
