@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,8 @@ def run_decode(cfg: DictConfig) -> dict:
         report["methods"][method.name] = {**figures, **method.describe()}
         _save_outputs(out, method.name, runs[method.name], backbone, pixels_available, settings.save_tokens)
     report["baseline_band"] = band_of(report["methods"][BASELINE])
+    if report["methods"][BASELINE]["quality"] is not None:
+        report["baseline_tolerance"] = baseline_tolerance(quality, backbone, runs[BASELINE], conditions)
     table = summary_table(report)
     atomic_write_text(out / "metrics.json", json.dumps(report, indent=2) + "\n")
     atomic_write_text(out / "summary.md", table + "\n")
@@ -234,16 +237,39 @@ def _report_header(cfg, backbone, sampling, settings: DecodeRunSettings, seeds, 
     return report
 
 
+def _scored_images(quality, backbone: ARImageBackbone, run: SeedRun) -> torch.Tensor:
+    """A run's images as its scorer reads them (continuous digits: rounded to the classifier's levels)."""
+    images = _decode_pixels(backbone, run.tokens)
+    if isinstance(quality, DigitsQuality) and getattr(backbone, "token_kind", "discrete") == "continuous":
+        levels = CONTINUOUS_SCORED_LEVELS - 1
+        images = torch.round(images.clamp(0, 1) * levels) / levels
+    return images
+
+
 def _score(quality, backbone: ARImageBackbone, run: SeedRun, conditions, pixels_available: bool) -> dict | None:
     if quality is None or not pixels_available:
         return None
-    images = _decode_pixels(backbone, run.tokens)
-    if isinstance(quality, DigitsQuality):
-        if getattr(backbone, "token_kind", "discrete") == "continuous":
-            levels = CONTINUOUS_SCORED_LEVELS - 1
-            images = torch.round(images.clamp(0, 1) * levels) / levels
-        return quality(images, conditions.class_ids)
-    return quality(images, conditions.prompts)
+    images = _scored_images(quality, backbone, run)
+    return quality(images, conditions.class_ids if isinstance(quality, DigitsQuality) else conditions.prompts)
+
+
+def baseline_tolerance(quality, backbone: ARImageBackbone, runs: list[SeedRun], conditions) -> dict | None:
+    """{metric: half-width}: how far from the baseline's mean quality a method with the baseline's distribution
+    (a lossless one), run on as many images and seeds, lands 19 times in 20.
+
+    The difference of two independent means of the same distribution has the standard error sqrt(2) times
+    each one's; each one's is the per-seed sampling error (`standard_errors`) over sqrt(seeds). A min-max band
+    of two seeds is not such a bound: a third draw of the same distribution falls inside it one time in three.
+    None when the scorer has no sampling errors (FID and CLIP on real backbones).
+    """
+    if not hasattr(quality, "standard_errors"):
+        return None
+    errors = [quality.standard_errors(_scored_images(quality, backbone, run), conditions.class_ids) for run in runs]
+    seeds = len(errors)
+    return {
+        metric: 1.96 * math.sqrt(2) * math.sqrt(sum(e[metric] ** 2 for e in errors) / seeds / seeds)
+        for metric in errors[0]
+    }
 
 
 def _save_outputs(out: Path, name: str, runs: list[SeedRun], backbone, pixels_available: bool, save: bool) -> None:

@@ -64,4 +64,36 @@ def summary_table(report: dict) -> str:
     if baseline and metrics:
         described = ", ".join(f"{QUALITY_NAMES[m]} {baseline[m][0]:.3f}-{baseline[m][1]:.3f}" for m in metrics)
         lines += ["", f"baseline band (ar over seeds {seeds}): {described}"]
+    tolerance = report.get("baseline_tolerance")
+    if tolerance and metrics and "ar" in methods:
+        lines.append(tolerance_line(methods, tolerance, metrics, report["num_images"] * len(seeds)))
     return "\n".join(lines)
+
+
+def outside_tolerance(methods: dict, tolerance: dict) -> dict[str, list[str]]:
+    """{method: [metrics whose mean is further from ar's than the baseline's sampling tolerance]}."""
+    reference = methods["ar"]["quality"]
+    outside = {}
+    for name, figures in methods.items():
+        off = [m for m in tolerance if abs(figures["quality"][m] - reference[m]) > tolerance[m]]
+        if off and name != "ar":
+            outside[name] = off
+    return outside
+
+
+def tolerance_line(methods: dict, tolerance: dict, metrics: list[str], images: int) -> str:
+    """The sampling tolerance around ar's mean quality, and the methods outside it."""
+    reference = methods["ar"]["quality"]
+    ranges = ", ".join(
+        f"{QUALITY_NAMES[m]} {reference[m] - tolerance[m]:.3f}-{reference[m] + tolerance[m]:.3f}" for m in metrics
+    )
+    outside = outside_tolerance(methods, tolerance)
+    verdict = (
+        "outside it: " + "; ".join(f"{n} ({', '.join(QUALITY_NAMES[m] for m in ms)})" for n, ms in outside.items())
+        if outside
+        else "every method inside it"
+    )
+    return (
+        f"baseline tolerance ({images} images, sampling error): {ranges} holds a method with ar's distribution "
+        f"19 times in 20; {verdict}"
+    )

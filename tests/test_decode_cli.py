@@ -233,6 +233,9 @@ def test_seeds_run_every_method_again_and_interleaving_changes_no_token(tmp_path
     assert len(together["methods"]["ssd_exact"]["quality_per_seed"]) == 2
     low, high = together["baseline_band"]["classifier_accuracy"]
     assert low <= together["methods"]["ar"]["quality"]["classifier_accuracy"] <= high
+    tolerance = together["baseline_tolerance"]
+    assert tolerance["classifier_accuracy"] > 0 and tolerance["frechet_distance"] > 0
+    assert "baseline tolerance (8 images, sampling error)" in (tmp_path / "together" / "summary.md").read_text()
     alone = tmp_path / "alone"
     run_decode(
         compose_config([*common, "decode.methods=[ssd_exact]", "decode.seed=1", f"decode.out={alone}"], tmp_path)
