@@ -56,6 +56,7 @@ def corpus_job(tmp_path: Path, generation_log: Path, delay_s: float) -> list[str
     ]
 
 
+@pytest.mark.slow  # several processes building one corpus
 @pytest.mark.parametrize("ranks", [[("0", "2"), ("1", "2")], [None, None]], ids=["two ranks", "two trainings"])
 def test_processes_on_one_corpus_share_its_shards_and_generate_each_once(tmp_path, ranks):
     """Two ranks of `python -m data` (torchrun's RANK/WORLD_SIZE), or two jobs that know nothing of each other
@@ -108,6 +109,7 @@ def test_a_live_claim_is_respected_and_a_silent_one_expires(tmp_path):
     assert try_claim(shard, stale_after_s=50) is not None  # no heartbeat for longer than allowed: taken over
 
 
+@pytest.mark.slow  # DDP on CPU with a process group timeout
 def test_ddp_ranks_outlast_a_short_process_group_timeout_while_the_corpus_is_built(tmp_path):
     """Two DDP ranks (gloo, CPU) with a 15 s process-group timeout (the ranks' rendezvous must fit in it too) and a
     corpus whose 3 shards take 20 s each: one rank waits for the other's last shard longer than the timeout.

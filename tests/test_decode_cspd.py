@@ -201,6 +201,7 @@ class CSpDRuns:
         return np.concatenate(tokens), accepted / drafted
 
 
+@pytest.mark.slow  # statistical (6,000 samples); the planted-bias checks below run in the fast tier
 def test_exact_cspd_has_the_backbones_distribution():
     """Per position and channel, two-sample KS tests of CSpD's first tokens against AR's (fixed seeds, 2,000 each):
     a drafter near the backbone (about half its drafts accepted), one draft and three per pass."""
@@ -255,6 +256,7 @@ def test_the_standardized_tokens_of_the_backbones_own_samples_are_its_last_step_
     torch.testing.assert_close(u, noise[:, :, -1].flatten(), rtol=0, atol=1e-3)
 
 
+@pytest.mark.slow  # statistical (8,192 values per batch size); the fast tier keeps the planted-bias check
 @pytest.mark.parametrize("batch", [4, 16])
 def test_exact_cspd_tokens_are_the_backbones_final_step_gaussians(batch):
     """Each token, standardized by the backbone's final-step Gaussian given the image's own earlier tokens, is

@@ -153,6 +153,7 @@ def exactness_statistic(target, drafter, settings, num_iter=8, cfg=1.0, batch=30
     return kstest(u.numpy(), "norm").pvalue, result
 
 
+@pytest.mark.slow  # statistical; test_the_exactness_check_catches_planted_biases runs in the fast tier
 @pytest.mark.parametrize("cfg", [1.0, 3.0])
 def test_exact_cspd_on_mar_has_the_targets_distribution(target, cfg):
     p_value, result = exactness_statistic(target, near_copy(target, 1e-9), CSpDMARConfig(gamma=3), cfg=cfg)
