@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 QUALITY_NAMES = {"classifier_accuracy": "accuracy", "frechet_distance": "Fréchet", "fid": "FID", "clip_score": "CLIP"}
+# The values a metric can take: a tolerance is shown clipped to them (an accuracy above 1 is no bound).
+QUALITY_RANGES = {"classifier_accuracy": (0.0, 1.0), "frechet_distance": (0.0, float("inf"))}
 
 
 def mean_quality(per_seed: list[dict | None]) -> dict | None:
@@ -84,8 +86,11 @@ def outside_tolerance(methods: dict, tolerance: dict) -> dict[str, list[str]]:
 def tolerance_line(methods: dict, tolerance: dict, metrics: list[str], images: int) -> str:
     """The sampling tolerance around ar's mean quality, and the methods outside it."""
     reference = methods["ar"]["quality"]
+    bounds = {m: QUALITY_RANGES.get(m, (-float("inf"), float("inf"))) for m in metrics}
     ranges = ", ".join(
-        f"{QUALITY_NAMES[m]} {reference[m] - tolerance[m]:.3f}-{reference[m] + tolerance[m]:.3f}" for m in metrics
+        f"{QUALITY_NAMES[m]} {max(bounds[m][0], reference[m] - tolerance[m]):.3f}-"
+        f"{min(bounds[m][1], reference[m] + tolerance[m]):.3f}"
+        for m in metrics
     )
     outside = outside_tolerance(methods, tolerance)
     verdict = (

@@ -67,3 +67,11 @@ def test_sampling_errors_are_binomial_and_bootstrap(classifier_cache):
     resampled = [frechet_distance(features.numpy()[rng.integers(0, 60, 60)], quality.reference) for _ in range(100)]
     assert errors["frechet_distance"] == pytest.approx(float(np.std(resampled)))
     assert errors["frechet_distance"] > 0
+
+
+def test_the_tolerance_is_shown_within_the_values_a_metric_can_take():
+    methods = {"ar": {"quality": {"classifier_accuracy": 0.98, "frechet_distance": 40.0}}}
+    line = tolerance_line(
+        methods, {"classifier_accuracy": 0.05, "frechet_distance": 60.0}, list(methods["ar"]["quality"]), 128
+    )
+    assert "accuracy 0.930-1.000, Fréchet 0.000-100.000" in line
