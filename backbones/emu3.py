@@ -60,6 +60,7 @@ from backbones.hf_loading import (
     load_pretrained,
     load_processor,
     positional_arguments,
+    require_model_type,
     require_weights,
 )
 
@@ -199,8 +200,8 @@ class Emu3Backbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
-        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible, positions)
         return self._run(state, self.embed_image_tokens(flat_tokens), **positional)
 
     def _run(self, state: DecodeState, embeds: torch.Tensor, **positional) -> torch.Tensor:
@@ -241,6 +242,7 @@ def load_emu3_backbone(
 ) -> Emu3Backbone:
     """Hydra entry point: frozen Emu3-Gen from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
+    require_model_type(directory, "emu3", MODEL_ID, original="BAAI/Emu3-Gen")
     model = load_pretrained(Emu3ForConditionalGeneration, directory, dtype, trust_remote_code)
     backbone = Emu3Backbone(
         model,

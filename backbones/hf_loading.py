@@ -20,6 +20,27 @@ def require_weights(path: str | Path, model_id: str, how_to_get: str | None = No
     return directory
 
 
+def require_model_type(directory: Path, model_type: str, model_id: str, original: str) -> None:
+    """Refuse a weights directory whose config.json names another model type, before any weights load.
+
+    The authors' own releases of Emu3 and Janus-Pro (`original`) are remote-code models of another type;
+    transformers would build a default-shaped model with random weights and fail only later, on a missing
+    config field. The error names the transformers conversion (`model_id`) to download instead.
+    """
+    import json
+
+    try:
+        found = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{directory / 'config.json'} is not a readable JSON config ({error})") from error
+    if found != model_type:
+        raise ValueError(
+            f"{directory} holds a {found!r} model (config.json model_type), not transformers' {model_type!r}; "
+            f"{original}'s own release is not in transformers format: download its conversion with "
+            f"`huggingface-cli download {model_id} --local-dir <dir>` and give path=<dir>"
+        )
+
+
 def load_pretrained(model_class, directory: Path, dtype: str | torch.dtype, trust_remote_code: bool = False):
     """`model_class.from_pretrained` in the given dtype; remote code runs only when the config opts in."""
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -41,11 +62,14 @@ def display_name(directory: Path, model_id: str) -> str:
     return model_id if directory.name in model_id else str(directory)
 
 
-def positional_arguments(rows: int, slots: torch.Tensor, visible: torch.Tensor) -> dict:
-    """A transformers model's arguments for a position-addressed pass (ZipAR, `ARImageBackbone.step_at`):
-    position ids = the cache slots (T,) for every row, and `visible` (T, capacity) as a 4D mask (used as is)."""
+def positional_arguments(
+    rows: int, slots: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor | None = None
+) -> dict:
+    """A transformers model's arguments for a position-addressed pass (ZipAR's `ARImageBackbone.step_at`, a token
+    tree's `step_tree`): position ids = `positions` (T,) for every row (default: the cache slots), and `visible`
+    (T, capacity) as a 4D mask (used as is)."""
     return {
-        "position_ids": slots[None].expand(rows, -1),
+        "position_ids": (slots if positions is None else positions)[None].expand(rows, -1),
         "attention_mask": visible[None, None].expand(rows, 1, -1, -1),
     }
 

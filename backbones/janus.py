@@ -49,6 +49,7 @@ from backbones.hf_loading import (
     load_pretrained,
     load_processor,
     positional_arguments,
+    require_model_type,
     require_weights,
 )
 
@@ -152,8 +153,8 @@ class JanusBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
-        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible, positions)
         return self._run(state, self.embed_image_tokens(flat_tokens), **positional)
 
     def _run(self, state: DecodeState, embeds: torch.Tensor, **positional) -> torch.Tensor:
@@ -212,6 +213,7 @@ def load_janus_backbone(
 ) -> JanusBackbone:
     """Hydra entry point: frozen Janus-Pro from a local transformers-format weights directory."""
     directory = require_weights(path, MODEL_ID)
+    require_model_type(directory, "janus", MODEL_ID, original="deepseek-ai/Janus-Pro-7B")
     model = load_pretrained(JanusForConditionalGeneration, directory, dtype, trust_remote_code)
     backbone = JanusBackbone(
         model, name=display_name(directory, MODEL_ID), processor=load_processor(directory, trust_remote_code)

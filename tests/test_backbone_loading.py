@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from backbones.base import ImageGeometry
+from backbones.hf_loading import require_model_type
 
 # family: (adapter class, the Hub id the docs and errors name, the tiny config's geometry)
 FAMILIES = {
@@ -42,3 +43,24 @@ def test_hydra_configs_build_the_tiny_backbone_and_leave_the_real_weights_path_t
     assert type(tiny).__name__ == adapter and tiny.geometry == geometry
     real = OmegaConf.load(CONF_DIR / "backbone" / f"{family}.yaml")
     assert real._target_ == f"backbones.{family}.load_{family}_backbone" and OmegaConf.is_missing(real, "path")
+
+
+# The authors' own releases of the two families whose adapter needs transformers' conversion (docs/backbones.md):
+# family -> (their config.json model_type, the model id the error must name).
+AUTHORS_RELEASES = {"emu3": ("Emu3", "BAAI/Emu3-Gen"), "janus": ("multi_modality", "deepseek-ai/Janus-Pro-7B")}
+
+
+@pytest.mark.parametrize("family", AUTHORS_RELEASES)
+def test_the_authors_remote_code_release_is_refused_naming_the_transformers_conversion(family, tmp_path):
+    module = importlib.import_module(f"backbones.{family}")
+    tiny = instantiate(OmegaConf.load(CONF_DIR / "backbone" / f"{family}_tiny.yaml"))
+    tiny.model.config.save_pretrained(tmp_path / "converted")  # transformers' conversion passes the check
+    require_model_type(tmp_path / "converted", family, module.MODEL_ID, original=AUTHORS_RELEASES[family][1])
+
+    release = tmp_path / "release"  # the authors' layout: their config names a remote-code model type
+    release.mkdir()
+    model_type, original = AUTHORS_RELEASES[family]
+    (release / "config.json").write_text(f'{{"model_type": "{model_type}", "architectures": ["X"]}}')
+    with pytest.raises(ValueError, match=re.escape(original)) as error:
+        getattr(module, f"load_{family}_backbone")(str(release), device="cpu", dtype="float32")
+    assert f"huggingface-cli download {module.MODEL_ID} --local-dir" in str(error.value)
