@@ -50,7 +50,7 @@ from heads.eagle import EagleHead
 class EagleDecodeConfig:
     """How long a chain the head drafts before each verification pass."""
 
-    depth: int = 6  # drafts per pass (EAGLE-2's default draft depth; the README measures 3-8 here)
+    depth: int = 6  # drafts per pass (EAGLE-2's default draft depth; docs/results.md measures 3-8 here)
 
     def __post_init__(self):
         if self.depth < 1:

@@ -40,7 +40,7 @@ by row. For row ``r``:
      context are kept, so the output distribution is not exactly the
      backbone's (``rounds`` large enough makes it exact). On the digits
      backbone the parallel corrections (``residual``, ``target``) oscillate
-     into stripes when drafts are rejected densely; see the README's figures.
+     into stripes when drafts are rejected densely; see docs/results_log.md.
      The reports put the quality metrics beside the baseline's.
 
 Lookahead (``lookahead``, exact and prefix): a pass that reaches the row's end
