@@ -5,6 +5,8 @@ import multiprocessing
 import os
 from pathlib import Path
 
+import pytest
+
 import common.atomic_io as atomic_io
 from common.atomic_io import atomic_write_text, create_exclusively
 from data.corpus import CorpusSpec, _open_manifest
@@ -48,6 +50,7 @@ def _open_manifests(directory: str, start, identity: dict) -> dict:
     return _open_manifest(Path(directory), CorpusSpec(num_images=8, shard_size=8), identity)
 
 
+@pytest.mark.slow
 def test_processes_opening_one_new_corpus_at_once_all_read_the_same_manifest(tmp_path):
     identity = {"name": "digits", "fingerprint": "0"}
     context = multiprocessing.get_context("spawn")

@@ -11,6 +11,7 @@ from decode.pass_cost import measured_context, pass_costs
 from decode.pass_schedule import interpolated_cost, projected_speedup
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_costs_schedules_and_projections(tmp_path, classifier_cache):
     from conftest import TINY_BACKBONE
     from test_decode_cli import _export_tiny_heads

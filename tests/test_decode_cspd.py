@@ -338,6 +338,7 @@ def tiny_continuous_experiment(experiment: str, export, tmp_path, checkpoints_di
     ]
 
 
+@pytest.mark.slow
 def test_cspd_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache):
     from conftest import compose_config
 

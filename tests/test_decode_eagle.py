@@ -131,6 +131,7 @@ def test_the_heads_prediction_at_t_reads_state_t_and_token_t(backbone8):
             assert (out[:, 3] - base[:, 3]).abs().amax() > 1e-3, f"input {changed} at t = 3 did not reach t = 3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [2, 5])
 def test_sampled_eagle_has_the_backbone_distribution(depth):
     """40,000 3x3 images in one batch: chains pass and fail, and images ahead re-feed their committed tokens."""

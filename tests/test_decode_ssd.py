@@ -301,6 +301,7 @@ def assert_sampled_from(images: list, truth: dict) -> None:
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
 
 
+@pytest.mark.slow
 def test_sampled_lookahead_has_the_backbone_distribution():
     """One image per generation, so that a row passing whole hands the next row over verified (in a batch that
     needs every image's row to pass at once); 3,000 samples against the enumerated AR distribution."""

@@ -157,6 +157,7 @@ def test_drafter_export_round_trip_and_refusal(backbone12, tmp_path):
         load_heads(tmp_path, random_digits_backbone(**{**GRID12, "grid_size": 24}))
 
 
+@pytest.mark.slow
 def test_mulo_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     from train.pipeline import run_training
 

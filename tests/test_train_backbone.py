@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import PROJECT_ROOT, compose_config
 
@@ -34,6 +35,7 @@ def test_backbone_recipe_trains_a_few_steps_and_exports_a_loadable_model(tmp_pat
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()  # what `train.resume=true` continues from
 
 
+@pytest.mark.slow
 def test_train_cli_runs_as_a_subprocess(tmp_path):
     export = tmp_path / "export"
     command = [
