@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from backbones.kv_cache import preallocated_cache, writing_at
+from backbones.kv_cache import keep_slots, preallocated_cache, reserve, writing_at
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,81 @@ def pooled_prompt_embedding(
         rows = [backbone.prompt_token_ids(condition)]
     device = embedding.weight.device
     return torch.cat([mean_prompt_embedding(embedding, ids.to(device), pad_token_id) for ids in rows])
+
+
+@dataclass
+class TreeLayout:
+    """Where the nodes of a token tree go in one pass (`ARImageBackbone.step_tree`): the flat sequence with
+    its end-of-line nodes, each flat node's parent, position and what it sees."""
+
+    flat_parents: list[int]  # (T',) the flat node each flat node follows, -1: the image so far
+    node_of_flat: torch.Tensor  # (T',) long: the tree node a flat node holds, -1 for an end-of-line node
+    output_of_node: torch.Tensor  # (T,) long: the flat node whose hidden predicts the token after node t
+    flat_of_node: list[int]  # (T,) the flat node holding tree node t
+    eol_of_node: list[int]  # (T,) the end-of-line flat node after node t, -1 where none
+    flat_positions: torch.Tensor  # (T',) long: flat image position of each flat node
+    sees: torch.Tensor  # (T', T') bool: flat node j sees flat node i (itself and its ancestors)
+    deepest: int  # the largest grid position of a node
+
+    @staticmethod
+    def build(parents: list[int], first: int, geometry: ImageGeometry) -> TreeLayout:
+        """The layout of a tree whose depth-0 nodes sit at grid position `first`."""
+        grid, flat_parents, node_of_flat, flat_positions = [], [], [], []
+        flat_of_node, eol_of_node, output_of_node = [], [], []
+        for t, parent in enumerate(parents):
+            if not -1 <= parent < t:
+                raise ValueError(f"tree node {t} has parent {parent}: parents must come first (-1: the image so far)")
+            position = first if parent < 0 else grid[parent] + 1
+            grid.append(position)
+            # A node after one that ends a row follows that row's end-of-line node.
+            follows = -1 if parent < 0 else (eol_of_node[parent] if eol_of_node[parent] >= 0 else flat_of_node[parent])
+            flat_of_node.append(len(flat_parents))
+            flat_parents.append(follows)
+            node_of_flat.append(t)
+            flat_positions.append(geometry.flat_length(position))
+            ends_row = geometry.end_of_line and (position + 1) % geometry.cols == 0
+            eol_of_node.append(len(flat_parents) if ends_row else -1)
+            if ends_row:
+                flat_parents.append(flat_of_node[t])
+                node_of_flat.append(-1)
+                flat_positions.append(geometry.flat_length(position) + 1)
+            output_of_node.append(eol_of_node[t] if ends_row else flat_of_node[t])
+        sees = torch.zeros(len(flat_parents), len(flat_parents), dtype=torch.bool)
+        for j, parent in enumerate(flat_parents):
+            if parent >= 0:
+                sees[j] = sees[parent]
+            sees[j, j] = True
+        return TreeLayout(
+            flat_parents,
+            torch.tensor(node_of_flat),
+            torch.tensor(output_of_node),
+            flat_of_node,
+            eol_of_node,
+            torch.tensor(flat_positions),
+            sees,
+            max(grid) if grid else first,
+        )
+
+    def flat_path(self, path: torch.Tensor) -> torch.Tensor:
+        """(B, k) tree nodes of each image's path, root first -> (B, k') their flat nodes, end-of-lines included."""
+        rows = []
+        for nodes in path.tolist():
+            flat = []
+            for t in nodes:
+                flat.append(self.flat_of_node[t])
+                if self.eol_of_node[t] >= 0:
+                    flat.append(self.eol_of_node[t])
+            rows.append(flat)
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass
+class TreePass:
+    """What `ARImageBackbone.step_tree` returns: the nodes' hidden states and where the tree sat in the cache."""
+
+    hidden: torch.Tensor  # (rows, T, H): hidden[:, t] predicts the grid token after node t on its path
+    layout: TreeLayout
+    start: int  # the cache slot of the first flat node (the cache's length before the pass)
 
 
 class ARImageBackbone(nn.Module, ABC):
@@ -361,10 +436,74 @@ class ARImageBackbone(nn.Module, ABC):
             return self._forward_flat_at(state, flat_tokens, slots, visible)
 
     def _forward_flat_at(
-        self, state: DecodeState, flat_tokens: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor
+        self,
+        state: DecodeState,
+        flat_tokens: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`_forward_flat` at cache slots (T,), query t seeing the slots ``visible[t]`` (T, capacity)."""
+        """`_forward_flat` at cache slots (T,), query t seeing the slots ``visible[t]`` (T, capacity), at sequence
+        positions `positions` (T,) (default: the slots themselves; a token tree's nodes sit at scratch slots)."""
         raise NotImplementedError(f"{type(self).__name__} has no position-addressed passes (ZipAR)")
+
+    def step_tree(self, state: DecodeState, tokens: torch.Tensor, parents: torch.Tensor) -> TreePass:
+        """Verify a token tree in one pass: each node sees the image so far and its own ancestors only.
+
+        tokens (B, T) codebook ids, one tree shape for the batch; parents (T,) long: ``parents[t] < t`` is the
+        node it follows, -1 for the nodes that follow the image so far (siblings of the next position). Node
+        ``t`` sits at grid position ``num_image_tokens + depth(t)`` with the positions and 2D layout a single
+        candidate gets there (families with end-of-line tokens get one after each node ending a row, as a
+        child of it). Nodes are written at scratch slots after the cache's end (grown when needed); the
+        cache's length and `state` do not move until `keep_tree_path`. Returns the `TreePass`, whose
+        ``hidden[:, t]`` (rows, T, H) predicts the grid token after node ``t`` on its path, as `step` would
+        return it after feeding that path.
+        """
+        if tokens.shape[0] != state.batch_size or tokens.shape[1] != parents.shape[0]:
+            raise ValueError(
+                f"step_tree got tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} for a batch of "
+                f"{state.batch_size}: give (batch, nodes) tokens and one parent per node"
+            )
+        if parents.shape[0] == 0:
+            raise ValueError("step_tree needs a tree of at least one node")
+        layout = TreeLayout.build(parents.tolist(), state.num_image_tokens, self.geometry)
+        if layout.deepest >= self.geometry.num_tokens:
+            raise ValueError(f"step_tree would write past the image: grid position {layout.deepest}")
+        start = state.cache.get_seq_length()
+        if start != state.prefix_length + self.geometry.flat_length(state.num_image_tokens):
+            raise ValueError("step_tree needs a cache that holds exactly the image so far (roll back first)")
+        device = tokens.device
+        flat = tokens[:, layout.node_of_flat.clamp(min=0).to(device)]
+        flat = flat.masked_fill((layout.node_of_flat < 0).to(device)[None], -1)  # end-of-line nodes
+        if state.guided:
+            flat = torch.cat([flat, flat], dim=0)
+        count = len(layout.flat_parents)
+        width = reserve(state.cache, max(self.cache_capacity(state.prefix_length), start + count))
+        slots = start + torch.arange(count, device=device)
+        visible = torch.zeros(count, width, dtype=torch.bool, device=device)
+        visible[:, :start] = True
+        visible[:, start : start + count] = layout.sees.to(device)
+        positions = state.prefix_length + layout.flat_positions.to(device)
+        with writing_at(state.cache, slots):
+            hidden = self._forward_flat_at(state, flat, slots, visible, positions=positions)
+        for layer in state.cache.layers:  # the scratch slots stay beyond the length until keep_tree_path
+            layer._expose(start)
+        return TreePass(hidden[:, layout.output_of_node.to(device)], layout, start)
+
+    def keep_tree_path(self, state: DecodeState, tree: TreePass, path: torch.Tensor, keep: int) -> None:
+        """After a `step_tree`, make the first `keep` nodes of each image's accepted path the cache's continuation.
+
+        path (B, k >= keep) long: the nodes of each image's path, root first (entries past `keep` are ignored).
+        Their keys and values (with their end-of-line tokens) move to the slots they would have had if fed by
+        `step`; the rejected branches are dropped. `state.num_image_tokens` grows by `keep`.
+        """
+        if keep == 0:
+            return
+        flat_path = tree.layout.flat_path(path[:, :keep].cpu())  # (B, flat length of keep tokens)
+        if state.guided:
+            flat_path = torch.cat([flat_path, flat_path], dim=0)
+        keep_slots(state.cache, tree.start + flat_path, tree.start, tree.start + flat_path.shape[1])
+        state.num_image_tokens += keep
 
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""

@@ -161,8 +161,8 @@ class DigitsBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, flat_tokens)
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
-        return self._run(state, flat_tokens, **positional_arguments(flat_tokens.shape[0], slots, visible))
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        return self._run(state, flat_tokens, **positional_arguments(flat_tokens.shape[0], slots, visible, positions))
 
     def _run(self, state: DecodeState, inputs: torch.Tensor, **positional) -> torch.Tensor:
         embeds = self.token_embed(inputs) + self.class_embed(state.extras["class_ids"])[:, None]

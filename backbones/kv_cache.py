@@ -98,3 +98,35 @@ def writing_at(cache, slots: torch.Tensor) -> Iterator[None]:
             layer.write_slots = None
             if layer.is_initialized:
                 layer._expose(max(layer.length, furthest))
+
+
+def reserve(cache, capacity: int) -> int:
+    """Grow every layer's buffers to at least `capacity` slots (one copy; the filled part kept); the capacity now.
+
+    A token tree (`ARImageBackbone.step_tree`) is written at scratch slots after the cache's end, which near
+    the image's end lie past the capacity sized for the image itself.
+    """
+    for layer in cache.layers:
+        if layer.is_initialized and layer.capacity < capacity:
+            for name in ("_key_buffer", "_value_buffer"):
+                old = getattr(layer, name)
+                grown = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
+                grown[..., : old.shape[-2], :] = old
+                setattr(layer, name, grown)
+            layer.capacity = capacity
+            layer._expose(layer.length)
+        layer.capacity = max(layer.capacity, capacity)  # a layer not initialized yet allocates this much
+    return max(layer.capacity for layer in cache.layers)
+
+
+def keep_slots(cache, sources: torch.Tensor, start: int, length: int) -> None:
+    """Row by row, move the keys and values at slots ``sources[r]`` (R, k) to slots ``start .. start + k - 1``,
+    then expose the first `length` slots: a token tree's accepted path becomes the cache's continuation."""
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        for name in ("_key_buffer", "_value_buffer"):
+            buffer = getattr(layer, name)  # (R, heads, capacity, dim)
+            index = sources.to(buffer.device)[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[-1])
+            buffer[..., start : start + sources.shape[1], :] = buffer.gather(2, index)
+        layer._expose(length)

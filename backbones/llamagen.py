@@ -271,17 +271,23 @@ class LlamaGenGPT(nn.Module):
         cache: LlamaGenCache | None = None,
         slots: torch.Tensor | None = None,
         visible: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Input embeddings (B, T, dim) appended after the cache -> pre-norm hidden states (B, T, dim).
 
-        With `slots` (T,) and `visible` (T, capacity) (ZipAR, inside `writing_at`): the inputs sit at those
-        positions and each attends to the slots `visible` marks."""
+        With `slots` (T,) and `visible` (T, capacity) (ZipAR, a token tree; inside `writing_at`): the inputs are
+        written at those slots, sit at sequence positions `positions` (default: the slots) and each attends to
+        the slots `visible` marks."""
         past = 0 if cache is None else cache.get_seq_length()
         if slots is None and past + embeds.shape[1] > self.max_length:
             raise ValueError(f"sequence of {past + embeds.shape[1]} exceeds {self.max_length} positions")
         if self.rope.device != embeds.device:
             self.rope = self.rope.to(embeds.device)
-        rope = self.rope[past : past + embeds.shape[1]] if slots is None else self.rope[slots]
+        rope = (
+            self.rope[past : past + embeds.shape[1]]
+            if slots is None
+            else self.rope[slots if positions is None else positions]
+        )
         h = embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, i, cache, past, visible)
@@ -340,8 +346,8 @@ class LlamaGenBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache)
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
-        return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache, slots, visible)
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache, slots, visible, positions)
 
     @property
     def final_norm(self) -> nn.Module:

@@ -256,9 +256,9 @@ class LuminaBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.model.model.embed_tokens(self.flat_to_vocab(flat_tokens)))
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
         embeds = self.model.model.embed_tokens(self.flat_to_vocab(flat_tokens))
-        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible, positions)
         prefix_mask = state.extras.get("prefix_attention_mask")
         if prefix_mask is not None:  # left-padded twins: the pads stay masked, positions count real tokens only
             positional["position_ids"] = positional["position_ids"] - (prefix_mask == 0).sum(-1, keepdim=True)

@@ -177,8 +177,8 @@ class TarBackbone(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 
-    def _forward_flat_at(self, state, flat_tokens, slots, visible) -> torch.Tensor:
-        positional = positional_arguments(flat_tokens.shape[0], slots, visible)
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        positional = positional_arguments(flat_tokens.shape[0], slots, visible, positions)
         return self._run(state, self.embed_image_tokens(flat_tokens), **positional)
 
     def _run(self, state: DecodeState, embeds: torch.Tensor, **positional) -> torch.Tensor:

@@ -10,6 +10,9 @@ tokens ``(...)``. Which rule a method uses:
   token from the residual ``norm(max(0, p - q))`` (`residual_distribution`) and
   drop what follows. SSD exact, MuLo-SD exact (point proposals, ``q = one_hot(x)``),
   SJD (random and Jacobi drafts), and EAGLE to come.
+- multi-candidate (token-tree) acceptance: siblings at one position are
+  tested in turn, the target replaced by its residual after each rejection
+  (`accept_among_siblings`; deterministic candidates: `point_proposals`).
 - SSD's parallel auto-correction (Xiang et al., 2026): every rejected position
   of a row is resampled in the same pass (`autocorrect_distributions`).
 - relaxed acceptance (LANTERN, Jang et al., ICLR 2025): a draft also counts the
@@ -67,6 +70,45 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     residual = (p - q).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+
+
+def accept_among_siblings(
+    p: torch.Tensor, sibling_tokens: torch.Tensor, sibling_q: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-candidate speculative sampling at one position: test the siblings of a token tree in turn.
+
+    Recursive rejection sampling (SpecInfer, Miao et al. 2024; multi-draft speculative sampling): sibling
+    ``i`` is accepted with probability ``min(1, r(x_i) / q_i(x_i))`` against the current target ``r``
+    (``p`` at first); after its rejection ``r`` becomes the residual ``norm(max(0, r - q_i))`` before the
+    next sibling is tested, each sibling with its own uniform. Lossless whenever ``x_i ~ q_i`` given the
+    siblings before it: ``q_i = q`` for siblings drawn independently from ``q``, ``q`` without the earlier
+    siblings (renormalised) when drawn without replacement, ``one_hot(x_i)`` for deterministic top-k
+    candidates (`point_proposals`).
+
+    p (..., V); sibling_tokens (..., K); sibling_q (..., K, V); uniform (..., K) in [0, 1).
+    Returns (the accepted sibling's index (...) long, K where every sibling was rejected; the target left
+    after the rejections (..., V): where none was accepted the token is drawn from it).
+    """
+    target = p
+    accepted = torch.full(sibling_tokens.shape[:-1], sibling_tokens.shape[-1], dtype=torch.long, device=p.device)
+    for i in range(sibling_tokens.shape[-1]):
+        q_i = sibling_q[..., i, :]
+        token = sibling_tokens[..., i]
+        passes = accept_drafts(probability_of(target, token), probability_of(q_i, token), uniform[..., i])
+        undecided = accepted == sibling_tokens.shape[-1]
+        accepted = torch.where(undecided & passes, i, accepted)
+        # Only the still-undecided positions move on to the residual; decided ones keep theirs (unused).
+        target = torch.where((undecided & ~passes)[..., None], residual_distribution(target, q_i), target)
+    return accepted, target
+
+
+def point_proposals(sibling_tokens: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """The proposals of deterministic candidates (top-k of a draft): ``one_hot(x_i)``, (..., K) -> (..., K, V).
+
+    With them `accept_among_siblings` accepts sibling ``i`` with the probability the residual left by the
+    earlier ones gives it (p without the earlier siblings, renormalised).
+    """
+    return F.one_hot(sibling_tokens, vocabulary).float()
 
 
 def point_residual(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,14 @@ import pytest
 import torch
 from conftest import compose_config
 from safetensors.torch import load_file, save_file
+from tiny_adapters import ADAPTERS, tiny_tar
 
 from backbones.base import Condition
 from backbones.digits import random_digits_backbone
 from backbones.emu3 import random_emu3_backbone
 from backbones.janus import random_janus_backbone
 from backbones.llamagen import random_llamagen_backbone
-from backbones.lumina import random_lumina_backbone, tiny_lumina_prompt
+from backbones.lumina import random_lumina_backbone
 from backbones.tar import random_tar_backbone
 from decode import SamplingConfig, generate_ar
 from decode.mulo import MuLoDecodeConfig, generate_mulo
@@ -26,44 +27,6 @@ from heads.mulo import MuLoDrafter, MuLoDrafterConfig, MuLoLlamaDrafterModel
 
 TINY_DRAFTER = dict(scale=2, hidden_size=16, num_layers=1, num_heads=1, intermediate_size=32)
 NO_CODEBOOK = "ignore:.*no codebook latents"  # tiny LlamaGen has no VQ checkpoint: the embedding proxy is used
-
-
-def _tar():
-    backbone = random_tar_backbone(seed=0, rows=4, cols=4)
-    backbone.codebook = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))  # a stand-in TA-Tok codebook
-    return backbone
-
-
-# name -> (tiny 4x4 backbone, a condition of two images, the family's CFG scale)
-ADAPTERS = {
-    "llamagen": (lambda: random_llamagen_backbone(seed=0), lambda: Condition(class_ids=torch.tensor([1, 8])), 4.0),
-    "janus": (
-        lambda: random_janus_backbone(seed=0),
-        lambda: Condition(token_ids=torch.tensor([[1, 10, 11, 12, 13, 2], [1, 20, 21, 22, 23, 2]])),
-        3.0,
-    ),
-    "emu3": (
-        lambda: random_emu3_backbone(seed=0, rows=4, cols=4),
-        lambda: Condition(
-            token_ids=torch.tensor([[1, 21, 22, 23, 24, 3, 14, 20, 14, 4], [1, 25, 26, 27, 28, 3, 14, 20, 14, 4]])
-        ),
-        3.0,
-    ),
-    "lumina": (
-        lambda: random_lumina_backbone(seed=0, rows=4, cols=4),
-        lambda: Condition(
-            token_ids=torch.tensor(
-                [tiny_lumina_prompt([10, 11, 12], rows=4, cols=4), tiny_lumina_prompt([20, 21, 22], rows=4, cols=4)]
-            )
-        ),
-        3.0,
-    ),
-    "tar": (
-        _tar,
-        lambda: Condition(token_ids=torch.tensor([[5, 21, 22, 23, 24, 30, 31], [5, 25, 26, 27, 28, 30, 31]])),
-        3.0,
-    ),
-}
 
 
 def random_drafter(backbone, seed: int = 1, std: float = 0.3) -> MuLoDrafter:
@@ -235,7 +198,7 @@ def test_a_drafter_of_another_backbone_is_refused_when_decoding():
 def test_prompt_drafter_learns_through_its_projection_only():
     from train.mulo_module import MuLoDistillation
 
-    backbone = _tar()
+    backbone = tiny_tar()
     module = MuLoDistillation(backbone, drafter=dict(TINY_DRAFTER), optimizer=torch.optim.AdamW)
     small = module.drafter.bind(backbone)
     condition = ADAPTERS["tar"][1]()

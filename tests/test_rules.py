@@ -6,6 +6,7 @@ from mock_backbone import MockBackbone, MockHeads
 
 from backbones.base import Condition
 from decode.rules import (
+    accept_among_siblings,
     accept_drafts,
     autocorrect_distributions,
     count_islands,
@@ -13,8 +14,10 @@ from decode.rules import (
     island_redraw_distributions,
     islands,
     latent_neighbours,
+    point_proposals,
     point_residual,
     pooled_neighbour_mass,
+    probability_of,
     relaxed_accept,
     residual_distribution,
 )
@@ -187,3 +190,84 @@ def test_island_cells_are_redrawn_from_the_residual_where_rejected_and_from_p_wh
     torch.testing.assert_close(redraw, torch.tensor([[1.0, 0.0, 0.0], [0.1, 0.1, 0.8]]))
     # point proposals (no q): every island cell from p
     torch.testing.assert_close(island_redraw_distributions(p, None, passed, redrawn), p[0, :2])
+
+
+# ---- multi-candidate (token-tree) acceptance -----------------------------------------------------
+
+# A target that is not peaked and a proposal that disagrees with it, so that siblings are often rejected and the
+# residual after one rejection differs from p (what the planted bugs below get wrong).
+TREE_P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10])
+TREE_Q = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40])
+
+
+def _draw_siblings(trials: int, siblings: int, how: str, generator: torch.Generator):
+    """Siblings at one position and the proposal each was drawn from: (trials, K) tokens, (trials, K, V) q_i."""
+    vocabulary = len(TREE_Q)
+    q = TREE_Q.expand(trials, vocabulary)
+    if how == "independent":  # x_i ~ q, each on its own
+        tokens = torch.multinomial(q, siblings, replacement=True, generator=generator)
+        return tokens, q[:, None].expand(trials, siblings, vocabulary)
+    if how == "without_replacement":  # x_i ~ q without x_1..x_{i-1}, renormalised
+        tokens = torch.multinomial(q, siblings, replacement=False, generator=generator)
+        proposals, left = [], q.clone()
+        for i in range(siblings):
+            proposals.append(left / left.sum(-1, keepdim=True))
+            left = left.scatter(-1, tokens[:, i : i + 1], 0.0)
+        return tokens, torch.stack(proposals, 1)
+    tokens = TREE_Q.topk(siblings).indices.expand(trials, siblings)  # "top_k": deterministic candidates
+    return tokens, point_proposals(tokens, vocabulary)
+
+
+def _tree_position_counts(how: str, siblings: int, share_uniform=False, skip_residual=False, trials=200_000):
+    """Counts of the token a position of a token tree ends with: an accepted sibling, else the final target."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, proposals = _draw_siblings(trials, siblings, how, generator)
+    uniform = torch.rand(trials, siblings, generator=generator)
+    if share_uniform:  # planted bug: one uniform for every sibling
+        uniform = uniform[:, :1].expand(-1, siblings)
+    if skip_residual:  # planted bug: every sibling tested against p itself
+        accepted = torch.full((trials,), siblings)
+        for i in range(siblings):
+            passes = accept_drafts(TREE_P[tokens[:, i]], probability_of(proposals[:, i], tokens[:, i]), uniform[:, i])
+            accepted = torch.where((accepted == siblings) & passes, i, accepted)
+        left = TREE_P.expand(trials, -1)
+    else:
+        accepted, left = accept_among_siblings(TREE_P.expand(trials, -1), tokens, proposals, uniform)
+    fallback = torch.multinomial(left, 1, generator=generator)[:, 0]
+    chosen = tokens.gather(1, accepted.clamp(max=siblings - 1)[:, None])[:, 0]
+    final = torch.where(accepted < siblings, chosen, fallback)
+    return torch.bincount(final, minlength=len(TREE_P)).double()
+
+
+def _p_value(counts):
+    from scipy.stats import chisquare
+
+    expected = TREE_P.double() / TREE_P.double().sum() * counts.sum()
+    return chisquare(counts.numpy(), expected.numpy()).pvalue
+
+
+@pytest.mark.parametrize("how", ["independent", "without_replacement", "top_k"])
+def test_siblings_tested_in_turn_against_the_residual_keep_the_targets_distribution(how):
+    assert _p_value(_tree_position_counts(how, siblings=3)) > 1e-3
+
+
+@pytest.mark.parametrize("how", ["independent", "without_replacement", "top_k"])
+def test_siblings_tested_against_the_same_target_without_the_residual_are_caught(how):
+    assert _p_value(_tree_position_counts(how, siblings=3, skip_residual=True)) < 1e-6
+
+
+@pytest.mark.parametrize("how", ["independent", "without_replacement"])
+def test_two_siblings_sharing_one_uniform_are_caught(how):
+    assert _p_value(_tree_position_counts(how, siblings=3, share_uniform=True)) < 1e-6
+
+
+def test_sibling_acceptance_by_value():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    tokens = torch.tensor([[3, 1]])  # sibling 0 has no target mass: always rejected
+    q = point_proposals(tokens, 4)
+    # sibling 1 against p without token 3 (which held none): accepted iff u < 0.3
+    for u, expected in ((0.29, 1), (0.31, 2)):
+        accepted, left = accept_among_siblings(p, tokens, q, torch.tensor([[0.0, u]]))
+        assert accepted.tolist() == [expected]
+    # after both rejections the target is p without tokens 3 and 1, renormalised
+    torch.testing.assert_close(left, torch.tensor([[0.5 / 0.7, 0.0, 0.2 / 0.7, 0.0]]))
