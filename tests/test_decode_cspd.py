@@ -454,6 +454,7 @@ def test_row_drafts_of_the_backbones_own_states_are_all_accepted(cfg_scale):
 
 
 # On the digits (the experiment's data) and on the backbone's own samples (the corpus, batches of dicts).
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [None, ["data=corpus_continuous", *TINY_CONTINUOUS_CORPUS]], ids=["digits", "corpus"])
 def test_row_heads_experiment_trains_exports_and_decodes(tmp_path, continuous_classifier_cache, data):
     from conftest import compose_config

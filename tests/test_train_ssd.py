@@ -58,6 +58,7 @@ def test_only_head_parameters_are_optimised(tiny_backbone):
     assert trainable and all(name.startswith("heads.") for name in trainable)
 
 
+@pytest.mark.slow
 def test_ssd_experiment_trains_exports_and_decodes(tmp_path, classifier_cache):
     export = tmp_path / "export"
     cfg = compose_config(
