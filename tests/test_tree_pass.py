@@ -84,3 +84,28 @@ def test_a_tree_whose_parents_do_not_come_first_is_refused():
     state, _ = backbone.prefill(Condition(class_ids=torch.tensor([1])), guided=False)
     with pytest.raises(ValueError, match="parents must come first"):
         backbone.step_tree(state, torch.zeros(1, 2, dtype=torch.long), torch.tensor([1, -1]))
+
+
+@pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_in_bfloat16_tree_nodes_differ_from_step_by_rounding_only(family):
+    """In bf16 the tree pass (an explicit mask over the whole cache) rounds differently from `step` (which a
+    plain pass over the same path mostly reproduces bit for bit): measured up to 1.9% of the largest hidden value
+    (LlamaGen), 0.02-0.5% for the others, a few bf16 steps. Greedy tree decoding in bf16 can therefore leave greedy
+    AR where two tokens' scores tie within rounding, as every lossless method does (tests/test_lossless_bf16.py).
+    The bound still fails a causal mask over the nodes on 5 of the 6 adapters; the float32 test fails it on all."""
+    make_backbone, make_condition, _ = FAMILIES[family]
+    backbone, condition = make_backbone().to(torch.bfloat16), make_condition()
+    generator = torch.Generator().manual_seed(0)
+    count = backbone.geometry.cols - 2
+    prefix = torch.randint(backbone.codebook_size, (2, count), generator=generator)
+    tokens = torch.randint(backbone.codebook_size, (2, len(PARENTS)), generator=generator)
+    with torch.inference_mode():
+        state, _ = backbone.prefill(condition, guided=True)
+        backbone.step(state, prefix)
+        tree = backbone.step_tree(state, tokens, PARENTS)
+        assert tree.hidden.dtype == torch.bfloat16
+        for node in range(len(PARENTS)):
+            expected = _reference_hidden(backbone, condition, prefix, tokens[:, _path_to(node)]).float()
+            error = (tree.hidden[:, node].float() - expected).abs().max() / expected.abs().max()
+            assert error < 0.03, f"node {node}: {float(error):.4f} of the largest hidden value"
