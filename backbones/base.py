@@ -486,8 +486,7 @@ class ARImageBackbone(nn.Module, ABC):
         positions = state.prefix_length + layout.flat_positions.to(device)
         with writing_at(state.cache, slots):
             hidden = self._forward_flat_at(state, flat, slots, visible, positions=positions)
-        for layer in state.cache.layers:  # the scratch slots stay beyond the length until keep_tree_path
-            layer._expose(start)
+        state.cache.crop(-count)  # the scratch slots stay beyond the length until keep_tree_path
         return TreePass(hidden[:, layout.output_of_node.to(device)], layout, start)
 
     def keep_tree_path(self, state: DecodeState, tree: TreePass, path: torch.Tensor, keep: int) -> None:
@@ -502,7 +501,7 @@ class ARImageBackbone(nn.Module, ABC):
         flat_path = tree.layout.flat_path(path[:, :keep].cpu())  # (B, flat length of keep tokens)
         if state.guided:
             flat_path = torch.cat([flat_path, flat_path], dim=0)
-        keep_slots(state.cache, tree.start + flat_path, tree.start, tree.start + flat_path.shape[1])
+        keep_slots(state.cache, tree.start + flat_path, tree.start)
         state.num_image_tokens += keep
 
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -113,15 +113,14 @@ def reserve(cache, capacity: int) -> int:
                 grown = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
                 grown[..., : old.shape[-2], :] = old
                 setattr(layer, name, grown)
-            layer.capacity = capacity
             layer._expose(layer.length)
         layer.capacity = max(layer.capacity, capacity)  # a layer not initialized yet allocates this much
     return max(layer.capacity for layer in cache.layers)
 
 
-def keep_slots(cache, sources: torch.Tensor, start: int, length: int) -> None:
+def keep_slots(cache, sources: torch.Tensor, start: int) -> None:
     """Row by row, move the keys and values at slots ``sources[r]`` (R, k) to slots ``start .. start + k - 1``,
-    then expose the first `length` slots: a token tree's accepted path becomes the cache's continuation."""
+    and end the cache there: a token tree's accepted path becomes the cache's continuation."""
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
@@ -129,4 +128,4 @@ def keep_slots(cache, sources: torch.Tensor, start: int, length: int) -> None:
             buffer = getattr(layer, name)  # (R, heads, capacity, dim)
             index = sources.to(buffer.device)[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[-1])
             buffer[..., start : start + sources.shape[1], :] = buffer.gather(2, index)
-        layer._expose(length)
+        layer._expose(start + sources.shape[1])
