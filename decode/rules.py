@@ -73,7 +73,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def accept_among_siblings(
-    p: torch.Tensor, sibling_tokens: torch.Tensor, sibling_q: torch.Tensor, uniform: torch.Tensor
+    p: torch.Tensor,
+    sibling_tokens: torch.Tensor,
+    sibling_q: torch.Tensor,
+    uniform: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-candidate speculative sampling at one position: test the siblings of a token tree in turn.
 
@@ -85,9 +89,11 @@ def accept_among_siblings(
     siblings (renormalised) when drawn without replacement, ``one_hot(x_i)`` for deterministic top-k
     candidates (`point_proposals`).
 
-    p (..., V); sibling_tokens (..., K); sibling_q (..., K, V); uniform (..., K) in [0, 1).
-    Returns (the accepted sibling's index (...) long, K where every sibling was rejected; the target left
-    after the rejections (..., V): where none was accepted the token is drawn from it).
+    p (..., V); sibling_tokens (..., K); sibling_q (..., K, V); uniform (..., K) in [0, 1); `valid` (..., K)
+    bool marks the siblings that exist where positions have fewer than K (padding: never accepted, and the
+    target does not move for it). Returns (the accepted sibling's index (...) long, K where every sibling
+    was rejected; the target left after the rejections (..., V): where none was accepted the token is
+    drawn from it).
     """
     target = p
     accepted = torch.full(sibling_tokens.shape[:-1], sibling_tokens.shape[-1], dtype=torch.long, device=p.device)
@@ -96,6 +102,8 @@ def accept_among_siblings(
         token = sibling_tokens[..., i]
         passes = accept_drafts(probability_of(target, token), probability_of(q_i, token), uniform[..., i])
         undecided = accepted == sibling_tokens.shape[-1]
+        if valid is not None:
+            undecided = undecided & valid[..., i]
         accepted = torch.where(undecided & passes, i, accepted)
         # Only the still-undecided positions move on to the residual; decided ones keep theirs (unused).
         target = torch.where((undecided & ~passes)[..., None], residual_distribution(target, q_i), target)

@@ -101,7 +101,9 @@ class EagleHead(nn.Module):
         """A KV cache for one image's drafting (all grid positions), appended to by `forward`."""
         return preallocated_cache(1, self.config.max_positions)
 
-    def forward(self, states: torch.Tensor, token_embeddings: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, token_embeddings: torch.Tensor, cache=None, **positional) -> torch.Tensor:
+        """`positional`: position ids and a 4D attention mask for a pass at chosen cache slots (EAGLE-2's draft
+        tree, decode/eagle2.py); by default the inputs follow the cache's end, causally."""
         fused = self.fc(torch.cat([token_embeddings, self.state_norm(states)], dim=-1))
-        out = self.decoder(inputs_embeds=fused, cache=cache, use_cache=cache is not None)
+        out = self.decoder(inputs_embeds=fused, cache=cache, use_cache=cache is not None, **positional)
         return out.last_hidden_state

@@ -1,0 +1,146 @@
+"""SSD with token trees: the heads' drafts of a row as a tree, verified in one pass (lossless).
+
+Lossless SSD (decode/ssd.py) verifies one candidate per position: the first
+rejection ends what a pass gives, and a row costs 1 + (its rejections) passes.
+Here each pass verifies a tree of candidates drawn from the same heads:
+
+1. The root is the token the backbone gave last (drawn from its own state, so
+   always right; not in the cache yet). The tree grows right of it along the
+   root's row, never past the row's end: the grid head (rows below the first;
+   heads without one: the horizontal head) predicts the state of the next
+   position from the state and token of a node and the row above (exact,
+   finished), and the node's children are the `top_k` most likely tokens
+   there. Which nodes are expanded and kept is EAGLE-2's rule
+   (decode/draft_tree.py, `grow_tree`): the highest joint draft confidence,
+   `beam` expansions per depth, `nodes` nodes per pass. With ``top_k = 1`` the
+   tree is lossless SSD's grid chain.
+2. One backbone pass (`ARImageBackbone.step_tree`) gives the target after every
+   node: each node sees the image so far and its own ancestors, at the position
+   and 2D layout a single candidate gets there.
+3. `walk_tree` accepts a path by multi-candidate speculative sampling and draws
+   the token after it (the next root); the cache keeps the path only
+   (`keep_tree_path`). A pass that reaches the row's end gives the next row's
+   first token, so a row costs one pass when every rejection in it was covered
+   by a sibling the target accepts.
+
+Exactness: the candidates are deterministic given the drafts (point
+proposals), and every token of a path has the backbone's distribution given
+the path before it (decode/draft_tree.py), so greedy output is greedy AR's token
+for token and sampled output has the backbone's distribution.
+
+Batching: the batch shares one tree shape per pass (nodes ranked by the mean
+confidence over images) and one cache length, so every image advances by the
+shortest accepted path of the batch; the longer paths' extra tokens are
+dropped and re-verified (exact: the cut is a stopping time of each image's own
+sequence of exact draws).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backbones.base import ARImageBackbone, Condition
+from decode.draft_tree import TreeShape
+from decode.method import MethodSpec
+from decode.result import GenerationResult
+from decode.sampling import SamplingConfig
+from decode.ssd import SSDDecodeConfig
+from decode.ssd_drafting import SSDRowDrafter
+from decode.tree_decoding import generate_by_trees
+from heads.ssd import SSDHeads
+
+
+@dataclass(frozen=True)
+class SSDTreeConfig:
+    """How large a tree each pass verifies (EAGLE-2's total_token / top_k, along SSD's rows)."""
+
+    nodes: int = 32  # tree nodes per pass, the root included
+    top_k: int = 2  # candidates per expanded node
+    beam: int = 4  # nodes expanded per position along the row
+    depth: int = 0  # positions drafted right of the root (0: to the row's end)
+    # "sampled": candidates drawn without replacement from the heads' draft distribution, so the first one is
+    # lossless SSD's draft; "top_k": the heads' most likely tokens as point proposals (EAGLE-2's candidates)
+    draws: str = "sampled"
+    # How nodes are ranked: "calibrated" (the acceptance rate measured so far in this image per sibling rank and
+    # draft-probability bin, decode/draft_tree.py's AcceptanceModel) or "draft" (EAGLE-2: the draft's probability)
+    confidence: str = "calibrated"
+
+    def __post_init__(self):
+        if self.depth < 0:
+            raise ValueError(f"ssd_tree depth must be >= 0 (0: to the row's end), got {self.depth}")
+        TreeShape(self.nodes, self.depth, self.top_k, self.beam, self.draws)  # the other checks
+        if self.confidence not in ("calibrated", "draft"):
+            raise ValueError(f"ssd_tree confidence must be 'calibrated' or 'draft', got {self.confidence!r}")
+
+
+def generate_ssd_tree(
+    backbone: ARImageBackbone,
+    heads: SSDHeads,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    config: SSDTreeConfig = SSDTreeConfig(),
+) -> GenerationResult:
+    """Generate one image per condition by SSD token trees (see the module docstring)."""
+    return generate_by_trees(
+        backbone, condition, sampling, generator, lambda state: SSDTreeDrafter(backbone, heads, state, sampling, config)
+    )
+
+
+class SSDTreeDrafter:
+    """SSD's heads as a `TreeDrafter`: trees along the root's row, drafted by the grid head from the finished row
+    above (heads without one, and row 0: the horizontal head)."""
+
+    def __init__(self, backbone: ARImageBackbone, heads: SSDHeads, state, sampling: SamplingConfig, config):
+        device = next(heads.parameters()).device
+        # SSD's row drafter supplies the heads' shared pieces (guided draft scores, embeddings, the grid head's
+        # per-token shares); its own re-drafting settings are unused here.
+        self.drafter = SSDRowDrafter(backbone, heads, state, sampling, None, SSDDecodeConfig(), device)
+        self.heads, self.config, self.cols = heads, config, backbone.geometry.cols
+        self.prepared_row, self.above_prepared = -1, None
+        self.calibrated = config.confidence == "calibrated"
+
+    def shape(self, frontier: int) -> TreeShape:
+        reach = self.cols - 1 - frontier % self.cols  # never past the row's end: the row above must be final
+        config = self.config
+        return TreeShape(config.nodes, min(config.depth or reach, reach), config.top_k, config.beam, config.draws)
+
+    def expander(self, frontier: int, tokens: torch.Tensor, predicting: torch.Tensor):
+        row, column = divmod(frontier, self.cols)
+        drafter, heads = self.drafter, self.heads
+        if row > 0 and self.prepared_row != row and drafter.has_grid:  # once per row: the row above is final
+            span = slice((row - 1) * self.cols, row * self.cols)
+            self.above_prepared, self.prepared_row = drafter.prepare_above(predicting[:, span], tokens[:, span]), row
+        if row == 0 or not drafter.has_grid:
+
+            def horizontal(nodes, pool_parents, states, node_tokens, depth):
+                predicted = heads.horizontal(states, drafter.embed(node_tokens))
+                return predicted, drafter.draft_scores(predicted)
+
+            return horizontal
+        above_prepared, grid_step, share, twins = (
+            self.above_prepared,
+            drafter.grid_step,
+            drafter.left_token_share,
+            drafter.twins,
+        )
+
+        def along(nodes, pool_parents, states, node_tokens, depth):
+            above = above_prepared[:, column + depth + 1]  # (rows, width): the column the children sit in
+            left_share = share[node_tokens].repeat(twins, 1, 1)  # (rows, n, width)
+            predicted = grid_step(above[:, None].expand(-1, states.shape[1], -1), states, left_share)
+            return predicted, drafter.draft_scores(predicted)
+
+        return along
+
+    def after_tree(self) -> None:
+        pass
+
+
+def _generate(backbone, heads, condition, sampling, generator, settings: SSDTreeConfig) -> GenerationResult:
+    return generate_ssd_tree(backbone, heads, condition, sampling, generator, settings)
+
+
+METHOD = MethodSpec(generate=_generate, settings=SSDTreeConfig, artefact="heads", artefact_kind="ssd")

@@ -1,0 +1,118 @@
+"""SSD token trees (decode/ssd_tree.py, decode/draft_tree.py): lossless, and the tree is EAGLE-2's.
+
+Greedy trees must give greedy AR's tokens (batch 1 and 4, random heads so that drafts are often wrong and
+siblings decide; every adapter: tests/test_tree_methods.py); sampled trees must give the backbone's image
+distribution on an enumerable 3x3 grid whose target is not peaked, a test that must catch a sibling rule
+without its residual update.
+"""
+
+import pytest
+import torch
+from conftest import random_ssd_heads
+from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
+
+from backbones.base import Condition
+from decode.ar import generate_ar
+from decode.draft_tree import TreeShape, grow_tree
+from decode.sampling import SamplingConfig
+from decode.ssd_tree import SSDTreeConfig, generate_ssd_tree
+
+CLASS_ID = 4
+GREEDY = SamplingConfig(greedy=True)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize(
+    "config",
+    [SSDTreeConfig(nodes=12, top_k=2, beam=3), SSDTreeConfig(nodes=6, top_k=3, beam=2, depth=2)],
+    ids=["to-row-end", "depth-2"],
+)
+@pytest.mark.parametrize("grid", [False, True], ids=["horizontal", "grid"])
+def test_greedy_ssd_tree_equals_greedy_ar_on_digits(tiny_backbone, batch, config, grid):
+    sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
+    condition = Condition(class_ids=torch.tensor([0, 3, 7, 9][:batch]))
+    baseline = generate_ar(tiny_backbone, condition, sampling)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=2, grid=grid)
+    tree = generate_ssd_tree(tiny_backbone, heads, condition, sampling, config=config)
+    assert torch.equal(tree.tokens, baseline.tokens)
+    assert tree.forward_passes <= baseline.forward_passes
+
+
+def test_a_top_1_tree_is_the_chain_and_the_tree_keeps_the_most_confident_nodes():
+    """top_k 1: a chain of `depth` nodes. Wider: the kept nodes are the pool's best by joint confidence, parents
+    first, each node's tokens its parent's top-k."""
+    vocabulary, batch = 5, 2
+    table = torch.randn(vocabulary, vocabulary, generator=torch.Generator().manual_seed(0)) * 3
+
+    def expand(nodes, pool_parents, states, tokens, depth):  # the draft's scores depend on the parent token only
+        return states, table[tokens]
+
+    root = torch.tensor([1, 3])
+    chain = grow_tree(root, torch.zeros(batch, 4), expand, TreeShape(nodes=10, depth=4, top_k=1, beam=1), GREEDY)
+    assert chain.parents.tolist() == [-1, 0, 1, 2, 3]
+    for node in range(1, 5):
+        assert torch.equal(chain.tokens[:, node], table[chain.tokens[:, node - 1]].argmax(-1))
+    tree = grow_tree(root, torch.zeros(batch, 4), expand, TreeShape(nodes=7, depth=3, top_k=3, beam=2), GREEDY)
+    assert len(tree.depths) == 7 and tree.parents[0] == -1
+    assert all(0 <= parent < node for node, parent in enumerate(tree.parents.tolist()) if node)
+    log_q = table.log_softmax(-1)
+    scores = torch.zeros(batch, 7)
+    for node in range(1, 7):
+        parent = int(tree.parents[node])
+        assert torch.equal(tree.tokens[:, node], table[tree.tokens[:, parent]].topk(3).indices[:, tree.ranks[node]])
+        scores[:, node] = scores[:, parent] + log_q[tree.tokens[:, parent], tree.tokens[:, node]]
+    # Every depth-1 candidate is in the pool; the kept ones are at least as good as any dropped one of depth 1.
+    kept = {tree.ranks[n] for n in range(7) if tree.depths[n] == 1}
+    first = log_q[root].topk(3).values.mean(0)
+    dropped = [r for r in range(3) if r not in kept]
+    assert all(first[r] <= scores[:, 1:].mean(0).min() + 1e-6 for r in dropped)
+
+
+# ---- sampled: the backbone's distribution ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backbone3():
+    return enumerable_backbone(grid_size=3, levels=2)
+
+
+def _sample_tree(backbone, sampling, config):
+    heads = random_ssd_heads(16, seed=1, grid=True)
+    condition = Condition(class_ids=torch.full((20_000,), CLASS_ID))
+    return generate_ssd_tree(backbone, heads, condition, sampling, torch.Generator().manual_seed(0), config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SSDTreeConfig(nodes=6, top_k=2, beam=2), SSDTreeConfig(nodes=4, top_k=1, beam=1)],
+    ids=["siblings", "chain"],
+)
+def test_sampled_ssd_tree_has_the_backbone_distribution(backbone3, config):
+    sampling = SamplingConfig(cfg_scale=2.0)
+    result = _sample_tree(backbone3, sampling, config)
+    counts = result.extras  # both siblings are accepted at times
+    assert counts["accepted_rank_0"] > 0 and (config.top_k == 1 or counts["accepted_rank_1"] > 0), counts
+    assert_sampled_from(result.tokens.flatten(1).tolist(), image_distribution(backbone3, CLASS_ID, sampling))
+
+
+def test_the_tree_distribution_test_catches_siblings_without_the_residual_update(backbone3, monkeypatch):
+    import decode.draft_tree as draft_tree
+    from decode.rules import accept_drafts, probability_of
+
+    def without_residual(p, sibling_tokens, sibling_q, uniform, valid=None):  # every sibling against p itself
+        width = sibling_tokens.shape[-1]
+        accepted = torch.full(sibling_tokens.shape[:-1], width, dtype=torch.long)
+        for i in range(width):
+            token = sibling_tokens[..., i]
+            passes = accept_drafts(
+                probability_of(p, token), probability_of(sibling_q[..., i, :], token), uniform[..., i]
+            )
+            undecided = (accepted == width) & (valid[..., i] if valid is not None else True)
+            accepted = torch.where(undecided & passes, i, accepted)
+        return accepted, p
+
+    monkeypatch.setattr(draft_tree, "accept_among_siblings", without_residual)
+    sampling = SamplingConfig(cfg_scale=2.0)
+    result = _sample_tree(backbone3, sampling, SSDTreeConfig(nodes=6, top_k=2, beam=2))
+    pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), image_distribution(backbone3, CLASS_ID, sampling))
+    assert pvalue < 1e-6, f"siblings tested against p without the residual update went unnoticed (p = {pvalue:.2e})"
