@@ -54,9 +54,12 @@ class Eagle2DecodeConfig:
     # "draft" (EAGLE-2: nodes ranked by the head's probability of their tokens) or "calibrated" (by the acceptance
     # rate measured so far in this image, decode/draft_tree.py's AcceptanceModel; not the authors')
     confidence: str = "draft"
+    # "top_k" (EAGLE-2: the head's most likely tokens, tested as point proposals) or "sampled" (draws without
+    # replacement from the head's draft distribution, the first one EAGLE-1's draft; not the authors')
+    draws: str = "top_k"
 
     def __post_init__(self):
-        TreeShape(self.nodes, self.depth, self.top_k, self.top_k)  # its checks
+        TreeShape(self.nodes, self.depth, self.top_k, self.top_k, self.draws)  # its checks
         if self.depth < 1:
             raise ValueError(f"eagle2 depth must be >= 1 (draft steps per pass), got {self.depth}")
         if self.confidence not in ("calibrated", "draft"):
@@ -92,7 +95,7 @@ class Eagle2Drafter:
 
     def shape(self, frontier: int) -> TreeShape:
         depth = min(self.config.depth, self.total - 1 - frontier)
-        return TreeShape(self.config.nodes, depth, self.config.top_k, self.config.top_k)
+        return TreeShape(self.config.nodes, depth, self.config.top_k, self.config.top_k, self.config.draws)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed_image_tokens(tokens.repeat(self.twins, 1)).to(self.dtype)

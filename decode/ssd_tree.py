@@ -56,9 +56,9 @@ from heads.ssd import SSDHeads
 class SSDTreeConfig:
     """How large a tree each pass verifies (EAGLE-2's total_token / top_k, along SSD's rows)."""
 
-    nodes: int = 32  # tree nodes per pass, the root included
+    nodes: int = 64  # tree nodes per pass, the root included
     top_k: int = 2  # candidates per expanded node
-    beam: int = 4  # nodes expanded per position along the row
+    beam: int = 8  # nodes expanded per position along the row
     depth: int = 0  # positions drafted right of the root (0: to the row's end)
     # "sampled": candidates drawn without replacement from the heads' draft distribution, so the first one is
     # lossless SSD's draft; "top_k": the heads' most likely tokens as point proposals (EAGLE-2's candidates)
@@ -98,18 +98,30 @@ class SSDTreeDrafter:
         # SSD's row drafter supplies the heads' shared pieces (guided draft scores, embeddings, the grid head's
         # per-token shares); its own re-drafting settings are unused here.
         self.drafter = SSDRowDrafter(backbone, heads, state, sampling, None, SSDDecodeConfig(), device)
-        self.heads, self.config, self.cols = heads, config, backbone.geometry.cols
+        self.heads, self.config = heads, config
+        self.rows, self.cols = backbone.geometry.rows, backbone.geometry.cols
         self.prepared_row, self.above_prepared = -1, None
         self.calibrated = config.confidence == "calibrated"
 
     def shape(self, frontier: int) -> TreeShape:
-        reach = self.cols - 1 - frontier % self.cols  # never past the row's end: the row above must be final
+        row, column = divmod(frontier, self.cols)
+        # Never past the row's end, where the grid head's row above would not be final; a root that ends its row
+        # finishes it, so its tree drafts the next row (the vertical head for its first token).
+        reach = self.cols - 1 - column
+        if self._crosses(row, column):
+            reach = self.cols
         config = self.config
         return TreeShape(config.nodes, min(config.depth or reach, reach), config.top_k, config.beam, config.draws)
+
+    def _crosses(self, row: int, column: int) -> bool:
+        return column == self.cols - 1 and row + 1 < self.rows and self.drafter.has_grid
 
     def expander(self, frontier: int, tokens: torch.Tensor, predicting: torch.Tensor):
         row, column = divmod(frontier, self.cols)
         drafter, heads = self.drafter, self.heads
+        crosses = self._crosses(row, column)
+        if crosses:  # the tree sits in the next row: its root is a virtual column -1 there
+            row, column = row + 1, -1
         if row > 0 and self.prepared_row != row and drafter.has_grid:  # once per row: the row above is final
             span = slice((row - 1) * self.cols, row * self.cols)
             self.above_prepared, self.prepared_row = drafter.prepare_above(predicting[:, span], tokens[:, span]), row
@@ -126,11 +138,18 @@ class SSDTreeDrafter:
             drafter.left_token_share,
             drafter.twins,
         )
+        first_of_row = None
+        if crosses:  # the vertical head's state for the next row's first position, from the finished row
+            span = slice((row - 1) * self.cols, row * self.cols)
+            first_of_row = heads.vertical(predicting[:, span], drafter.embed(tokens[:, span]))[:, :1]
 
         def along(nodes, pool_parents, states, node_tokens, depth):
-            above = above_prepared[:, column + depth + 1]  # (rows, width): the column the children sit in
-            left_share = share[node_tokens].repeat(twins, 1, 1)  # (rows, n, width)
-            predicted = grid_step(above[:, None].expand(-1, states.shape[1], -1), states, left_share)
+            if depth == 0 and first_of_row is not None:
+                predicted = first_of_row.expand(-1, states.shape[1], -1)
+            else:
+                above = above_prepared[:, column + depth + 1]  # (rows, width): the column the children sit in
+                left_share = share[node_tokens].repeat(twins, 1, 1)  # (rows, n, width)
+                predicted = grid_step(above[:, None].expand(-1, states.shape[1], -1), states, left_share)
             return predicted, drafter.draft_scores(predicted)
 
         return along

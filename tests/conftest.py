@@ -25,6 +25,7 @@ COMPARISON_METHODS = [
     "ar",
     "ssd_exact",
     "ssd_autocorrect",
+    "ssd_tree",
     "mulo",
     "mulo_exact",
     "sjd",
@@ -32,6 +33,7 @@ COMPARISON_METHODS = [
     "zipar",
     "eagle",
     "eagle_depth3",
+    "eagle2",
     "lantern",
 ]
 

@@ -76,6 +76,21 @@ PEER_CASES = [
     ("eagle_depth3", "decode.eagle", {"depth": 3}),
     ("lantern", "decode.lantern", {}),
 ]
+# Token trees (decode/ssd_tree.py with the grid heads; decode/eagle2.py with the EAGLE head)
+TREE_CASES = [
+    ("ssd_tree", "decode.ssd_tree", {}),
+    (
+        "ssd_tree_topk_draft",
+        "decode.ssd_tree",
+        {"nodes": 12, "top_k": 3, "beam": 2, "draws": "top_k", "confidence": "draft"},
+    ),
+    ("eagle2", "decode.eagle2", {}),
+    (
+        "eagle2_sampled_calibrated",
+        "decode.eagle2",
+        {"nodes": 16, "depth": 4, "top_k": 3, "draws": "sampled", "confidence": "calibrated"},
+    ),
+]
 CSPD_CASES = [
     ("cspd", {}),
     ("cspd_relaxed", {"tau": 42.0, "reference_correction": True}),
@@ -238,6 +253,16 @@ def compute_pins() -> dict:
         method = importlib.import_module(module_name).METHOD
         config = method.settings(**settings)
         artefact = _eagle_head(ssd_backbone) if method.artefact else None
+        cases[name] = (
+            lambda b, c, s, g, method=method, artefact=artefact, config=config: method.generate(
+                b, artefact, c, s, g, config
+            ),
+            ssd_backbone,
+        )
+    for name, module_name, settings in TREE_CASES:
+        method = importlib.import_module(module_name).METHOD
+        config = method.settings(**settings)
+        artefact = grid_heads if module_name == "decode.ssd_tree" else _eagle_head(ssd_backbone)
         cases[name] = (
             lambda b, c, s, g, method=method, artefact=artefact, config=config: method.generate(
                 b, artefact, c, s, g, config
