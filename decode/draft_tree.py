@@ -4,19 +4,22 @@ Every tree method (SSD's `ssd_tree`, EAGLE-2's `eagle2`) drafts, verifies and ac
 
 - `grow_tree`: EAGLE-2's dynamic draft tree (Li et al., EMNLP 2024; github.com/SafeAILab/EAGLE,
   ``model/cnets.py`` ``topK_genrate``). From the root (the token the backbone gave last), each depth expands the
-  `beam` nodes of highest path score with one batched draft step, gives each its `top_k` most likely next tokens
-  (score: the sum of the draft's log-probabilities along the path), and keeps every candidate in a pool; the
-  tree is the root and the `nodes - 1` candidates of the pool with the highest scores (ancestor-closed: a child
-  never scores above its parent). One tree shape serves the batch (the backbone verifies one shape per pass):
-  a node is a rank path (the root's r-th child's s-th child ...), holding each image's own tokens, scored by the
-  mean over images. At batch 1 this is EAGLE-2's tree exactly.
+  `beam` nodes of highest path score with one batched draft step and gives each `top_k` candidates: the
+  draft's most likely tokens (EAGLE-2's), or draws without replacement from the draft distribution q. Every
+  candidate goes into a pool; the tree is the root and the `nodes - 1` candidates of the pool with the highest
+  scores (score: the sum along the path of the draft's log-probability, EAGLE-2's, or of the log of the
+  calibrated acceptance probability, `AcceptanceModel`), ancestor-closed and with each node's children a prefix
+  of their draw order. One tree shape serves the batch (the backbone verifies one shape per pass): a node is a
+  rank path (the root's r-th child's s-th child ...), holding each image's own tokens, scored by the mean over
+  images. At batch 1 with top-k candidates and the draft's confidence this is EAGLE-2's tree exactly.
 - `walk_tree`: multi-candidate speculative sampling down the verified tree (decode/rules.py,
-  `accept_among_siblings` with point proposals: the candidates are deterministic given the draft). From the
-  root, the children of the current node are tested in rank order against the target, the target replaced by
-  its residual after each rejection; the accepted child becomes the current node. Where every child is
-  rejected the next token is drawn from what is left of the target, at a leaf from the target itself. Each
-  token of the path is therefore distributed as the backbone's next-token distribution given the path before
-  it (greedy: it is the argmax), which is what makes tree methods lossless.
+  `accept_among_siblings`). The children of a node are tested in draw order against the target, the target
+  replaced by its residual after each rejection; each child's proposal is what it was drawn from (one-hot for
+  a top-k candidate; q without the earlier siblings, renormalised, for a draw without replacement). The
+  accepted child becomes the current node. Where every child is rejected the next token is drawn from what is
+  left of the target, at a leaf from the target itself. Each token of the path is therefore distributed as the
+  backbone's next-token distribution given the path before it (greedy: it is the argmax), which is what makes
+  tree methods lossless.
 """
 
 from __future__ import annotations
