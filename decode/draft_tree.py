@@ -128,7 +128,9 @@ def grow_tree(
         level_tokens, log_confidence, feature, q = _candidates(child_scores, shape.top_k, sampling, sampled, generator)
         k = level_tokens.shape[-1]
         if acceptance is not None:
-            log_confidence = acceptance.log_path_step(feature)
+            # A draw outside q's support (top-k / top-p sampling) stays out: its proposal would be q = 0.
+            calibrated = acceptance.log_path_step(feature)
+            log_confidence = torch.where(torch.isfinite(log_confidence), calibrated, float("-inf"))
         first = len(parents)
         for parent in frontier:
             parents += [parent] * k

@@ -116,3 +116,29 @@ def test_the_tree_distribution_test_catches_siblings_without_the_residual_update
     result = _sample_tree(backbone3, sampling, SSDTreeConfig(nodes=6, top_k=2, beam=2))
     pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), image_distribution(backbone3, CLASS_ID, sampling))
     assert pvalue < 1e-6, f"siblings tested against p without the residual update went unnoticed (p = {pvalue:.2e})"
+
+
+def test_a_calibrated_tree_never_keeps_a_draw_outside_the_drafts_support():
+    """Top-k sampling leaves q = 0 on most tokens; a candidate there would be tested with q(x) = 0 (always
+    accepted where the target has mass), so the tree must not keep it, whatever the acceptance model says."""
+    from decode.draft_tree import AcceptanceModel
+
+    vocabulary = 6
+    scores = torch.full((1, 1, vocabulary), float("-inf"))
+    scores[..., :2] = torch.tensor([1.0, 0.5])
+
+    def expand(nodes, pool_parents, states, tokens, depth):
+        return states, scores.expand(1, states.shape[1], -1)
+
+    sampling = SamplingConfig(top_k=2)
+    tree = grow_tree(
+        torch.tensor([0]),
+        torch.zeros(1, 4),
+        expand,
+        TreeShape(nodes=20, depth=3, top_k=4, beam=4, draws="sampled"),
+        sampling,
+        torch.Generator().manual_seed(0),
+        AcceptanceModel(ranks=4),
+    )
+    assert bool((tree.tokens[:, 1:] < 2).all()), tree.tokens
+    assert len(tree.depths) > 4  # the two supported tokens at every level are kept
