@@ -71,7 +71,6 @@ class DraftTree:
     parents: torch.Tensor  # (T,) long: the node each follows, -1 for the root
     depths: list[int]  # (T,) the root is depth 0
     ranks: list[int]  # (T,) the node's place among its siblings (the order they were drawn and are tested)
-    states: torch.Tensor  # (rows, T, H): the input state of each node (the draft state that predicted it)
     # (B, T) the draft's probability of each node's token among what its earlier siblings left (the acceptance
     # model's feature), 0 for the root
     features: torch.Tensor | None = None
@@ -111,9 +110,9 @@ def grow_tree(
     """
     batch, device = root_tokens.shape[0], root_tokens.device
     sampled = shape.draws == "sampled" and not sampling.greedy
-    # The pool: node 0 is the root; each candidate has a parent, rank, depth, tokens, score, input state, proposal.
+    # The pool: node 0 is the root; each candidate has a parent, rank, depth, tokens, score, proposal.
     parents, ranks, depths = [-1], [-1], [0]
-    tokens, states = [root_tokens[:, None]], [root_state[:, None]]
+    tokens = [root_tokens[:, None]]
     scores = [torch.zeros(1, device=device)]
     features = [torch.zeros(batch, 1, device=device)]
     proposals: list[torch.Tensor] = []
@@ -138,17 +137,16 @@ def grow_tree(
             depths += [level + 1] * k
         # (n, k): capped by the parent's score and the earlier siblings' (cummin along the draw order)
         level_scores = (frontier_scores[:, None] + log_confidence.mean(0)).cummin(dim=-1).values.reshape(-1)
-        level_states = child_states.repeat_interleave(k, dim=1)  # the state predicting each candidate
         tokens.append(level_tokens.reshape(batch, -1))  # parent-major
         features.append(feature.reshape(batch, -1))
         scores.append(level_scores)
-        states.append(level_states)
         if q is not None:
             proposals.append(q.repeat_interleave(k, dim=1))
         # EAGLE-2 expands the `beam` best candidates of this depth next.
         best = _stable_top(level_scores, shape.beam)
         frontier = [first + int(i) for i in best]
-        frontier_states, frontier_tokens = level_states[:, best], tokens[-1][:, best]
+        # A candidate's input state is the one its parent's expansion predicted (candidates are parent-major).
+        frontier_states, frontier_tokens = child_states[:, best // k], tokens[-1][:, best]
         frontier_scores = level_scores[best]
     all_scores = torch.cat(scores)
     # The root and the best `nodes - 1` candidates; ties keep pool order, so a parent comes before its child.
@@ -166,7 +164,6 @@ def grow_tree(
         parents=torch.tensor([new_index[parents[old]] if parents[old] >= 0 else -1 for old in chosen]),
         depths=[depths[old] for old in chosen],
         ranks=[ranks[old] for old in chosen],
-        states=torch.cat(states, 1)[:, index],
         features=torch.cat(features, 1)[:, index],
         proposals=proposal,
     )

@@ -23,10 +23,11 @@ from typing import Protocol
 
 import torch
 
-from backbones.base import ARImageBackbone, Condition, DecodeState
+from backbones.base import ARImageBackbone, Condition
 from decode.draft_tree import AcceptanceModel, ExpandFn, TreeShape, TreeWalk, grow_tree, walk_tree
 from decode.result import GenerationResult
-from decode.sampling import SamplingConfig, sample_from, token_distribution
+from decode.sampling import SamplingConfig, sample_from
+from decode.sjd import target_distributions
 
 
 class TreeDrafter(Protocol):
@@ -64,7 +65,7 @@ def generate_by_trees(
     # predicting[:, i]: the exact state that predicted position i (drafters read the final ones).
     predicting = first_state.new_zeros(first_state.shape[0], total, first_state.shape[-1])
     predicting[:, 0] = first_state[:, 0]
-    root = sample_from(_target(backbone, state, first_state, sampling)[:, 0], generator)
+    root = sample_from(target_distributions(backbone, state, first_state, sampling)[:, 0], generator)
     frontier, passes, drafted, accepted = 0, 1, 0, 0
     counts: dict[str, int] = {"tree_passes": 0, "tree_nodes_fed": 0}
     cache_rows = torch.arange(predicting.shape[0], device=device)
@@ -80,7 +81,7 @@ def generate_by_trees(
         drafter.after_tree()
         verified = backbone.step_tree(state, tree.tokens, tree.parents)
         passes += 1
-        walk = walk_tree(tree, _target(backbone, state, verified.hidden, sampling), generator)
+        walk = walk_tree(tree, target_distributions(backbone, state, verified.hidden, sampling), generator)
         _add_counts(counts, walk, len(tree.depths))
         if acceptance is not None:
             acceptance.update(walk)
@@ -105,11 +106,6 @@ def generate_by_trees(
         accepted_tokens=accepted,
         extras=counts,
     )
-
-
-def _target(backbone: ARImageBackbone, state: DecodeState, hidden: torch.Tensor, sampling: SamplingConfig):
-    """States of cache rows (rows, T, H) -> the backbone's next-token distributions (B, T, V)."""
-    return token_distribution(backbone.scores(state, hidden, sampling.cfg_scale), sampling)
 
 
 def _next_root(walk: TreeWalk, tree_tokens: torch.Tensor, keep: int) -> torch.Tensor:
