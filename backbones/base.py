@@ -504,6 +504,84 @@ class ARImageBackbone(nn.Module, ABC):
         keep_slots(state.cache, tree.start + flat_path, tree.start)
         state.num_image_tokens += keep
 
+    def step_ragged(self, state: DecodeState, tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Each image feeds its own run of grid tokens from its own position, all in one pass.
+
+        tokens (B, T) codebook ids: image ``b``'s go to grid positions ``starts[b] .. starts[b] + T - 1``; pad a
+        shorter run with any ids (their states are computed and ignored). Each token sees its image's prompt,
+        its image's cache slots before its own position and the tokens before it in this run, with the
+        position ids and 2D layout `step` gives it there, so ``out[b, j]`` equals what `step` returns for
+        that token after feeding the image's first ``starts[b] + j`` tokens. The caller keeps, per image, how
+        far the cache is final: slots from ``starts[b]`` on are overwritten by this pass, slots after its run
+        keep stale entries that no later query sees unless re-fed. `state.num_image_tokens` and the cache's
+        own length are not maintained (mix no `step` or `rollback` with ragged passes); the cache grows by
+        ``T`` slots once so that a padded run near the image's end has room. Families with end-of-line tokens
+        get them inside each image's run. Returns (rows, T, H), indexed like `tokens`.
+        """
+        batch, count = tokens.shape
+        if batch != state.batch_size or starts.shape != (batch,):
+            raise ValueError(
+                f"step_ragged got tokens {tuple(tokens.shape)} and starts {tuple(starts.shape)} for a batch of "
+                f"{state.batch_size}: give (batch, T) tokens and one start per image"
+            )
+        geometry, device = self.geometry, tokens.device
+        starts_list = starts.tolist()
+        if min(starts_list) < 0 or max(starts_list) >= geometry.num_tokens:
+            raise ValueError(f"step_ragged: starts must be grid positions in [0, {geometry.num_tokens}), got {starts}")
+        if geometry.end_of_line:  # each image's run gets its own end-of-line tokens
+            runs = [self._insert_end_of_line(tokens[b : b + 1], start) for b, start in enumerate(starts_list)]
+            width = max(run[0].shape[1] for run in runs)
+            flat = tokens.new_zeros(batch, width)
+            take = torch.zeros(batch, count, dtype=torch.long, device=device)
+            offsets = torch.zeros(batch, width, dtype=torch.long)
+            for b, ((row, row_take), start) in enumerate(zip(runs, starts_list)):
+                flat[b, : row.shape[1]] = row[0]
+                take[b] = row_take
+                offsets[b] = geometry.flat_length(start) + torch.arange(width)
+            flat_positions = offsets.to(device)
+        else:
+            flat, take, width = tokens, None, count
+            flat_positions = starts[:, None] + torch.arange(count, device=device)[None]
+        capacity = self.cache_capacity(state.prefix_length)
+        cache_width = reserve(state.cache, capacity + width)
+        slots = state.prefix_length + flat_positions  # (B, width): consecutive, so no two writes share a slot
+        visible = torch.arange(cache_width, device=device)[None, None, :] <= slots[:, :, None]  # (B, width, slots)
+        positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
+        if state.guided:
+            flat, slots, visible, positions = (torch.cat([x, x]) for x in (flat, slots, visible, positions))
+        with writing_at(state.cache, slots):
+            hidden = self._forward_flat_at(state, flat, slots, visible, positions=positions)
+        if take is None:
+            return hidden
+        take = torch.cat([take, take]) if state.guided else take
+        return hidden.gather(1, take[:, :, None].expand(-1, -1, hidden.shape[-1]))
+
+    def replace_images(self, state: DecodeState, images: torch.Tensor, fresh: DecodeState) -> None:
+        """Continuous batching: images ``images`` (k,) of `state` start over as the k images of `fresh` (a new
+        `prefill` of their conditions): the prompt part of their cache rows (both twins under guidance) and
+        their family extras (class ids, prompt masks) are copied in. Their image slots are left as they are
+        (stale, overwritten by the next ragged passes). Needs the same prompt length and guidance."""
+        if fresh.prefix_length != state.prefix_length or fresh.guided != state.guided:
+            raise ValueError(
+                f"replace_images needs the same prompt length and guidance: the batch has {state.prefix_length} "
+                f"prompt slots (guided={state.guided}), the new images {fresh.prefix_length} "
+                f"(guided={fresh.guided}); group the queue by prompt length (backbones.base.group_by_prompt_length)"
+            )
+        if images.shape[0] != fresh.batch_size:
+            raise ValueError(f"replace_images got {images.shape[0]} images for {fresh.batch_size} new ones")
+        rows = torch.cat([images, images + state.batch_size]) if state.guided else images
+        prefix = state.prefix_length
+        for layer, new in zip(state.cache.layers, fresh.cache.layers):
+            for name in ("_key_buffer", "_value_buffer"):
+                getattr(layer, name)[rows.to(getattr(layer, name).device), :, :prefix] = getattr(new, name)[
+                    :, :, :prefix
+                ]
+        for key, value in fresh.extras.items():
+            if isinstance(value, torch.Tensor) and value.shape[0] == fresh.cache_rows:
+                state.extras[key][rows.to(value.device)] = value
+            else:
+                raise ValueError(f"replace_images cannot merge {type(self).__name__}'s extra {key!r} row by row")
+
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""
         if not self.geometry.end_of_line:

@@ -66,11 +66,13 @@ def positional_arguments(
     rows: int, slots: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor | None = None
 ) -> dict:
     """A transformers model's arguments for a position-addressed pass (ZipAR's `ARImageBackbone.step_at`, a token
-    tree's `step_tree`): position ids = `positions` (T,) for every row (default: the cache slots), and `visible`
-    (T, capacity) as a 4D mask (used as is)."""
+    tree's `step_tree`, a ragged pass's `step_ragged`): position ids = `positions` (T,) for every row, or (rows,
+    T) row by row (default: the cache slots), and `visible` (T, capacity), or (rows, T, capacity), as a 4D mask
+    (used as is)."""
+    positions = slots if positions is None else positions
     return {
-        "position_ids": (slots if positions is None else positions)[None].expand(rows, -1),
-        "attention_mask": visible[None, None].expand(rows, 1, -1, -1),
+        "position_ids": positions[None].expand(rows, -1) if positions.dim() == 1 else positions,
+        "attention_mask": visible[None, None].expand(rows, 1, -1, -1) if visible.dim() == 2 else visible[:, None],
     }
 
 

@@ -51,9 +51,14 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.write_slots is not None:  # ZipAR: write at the slots, attend over all of them
-            self._key_buffer.index_copy_(-2, self.write_slots, key_states)
-            self._value_buffer.index_copy_(-2, self.write_slots, value_states)
+        if self.write_slots is not None:  # ZipAR, trees, ragged passes: write at the slots, attend over all of them
+            if self.write_slots.dim() == 1:  # the same slots in every row
+                self._key_buffer.index_copy_(-2, self.write_slots, key_states)
+                self._value_buffer.index_copy_(-2, self.write_slots, value_states)
+            else:  # (rows, T): each row at its own slots (`ARImageBackbone.step_ragged`)
+                index = self.write_slots[:, None, :, None]
+                self._key_buffer.scatter_(-2, index.expand_as(key_states), key_states)
+                self._value_buffer.scatter_(-2, index.expand_as(value_states), value_states)
             return self._key_buffer, self._value_buffer
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
@@ -86,8 +91,8 @@ def preallocated_cache(num_layers: int, capacity: int) -> Cache:
 @contextmanager
 def writing_at(cache, slots: torch.Tensor) -> Iterator[None]:
     """Inside the block, the cache's preallocated layers (a transformers Cache, or LlamaGen's) write this
-    pass's keys and values at `slots` (T,) and return every slot; the length reported afterwards covers the
-    furthest slot."""
+    pass's keys and values at `slots` (T,), or row by row at `slots` (rows, T), and return every slot; the
+    length reported afterwards covers the furthest slot."""
     for layer in cache.layers:
         layer.write_slots = slots
     try:

@@ -137,9 +137,11 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float, prefix: int) -> to
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D) with interleaved pairs, table (T, D // 2, 2) -> rotated x (float32 maths)."""
+    """x (B, T, H, D) with interleaved pairs, table (T, D // 2, 2) or per row (B, T, D // 2, 2) -> rotated x
+    (float32 maths)."""
     pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+    table = table[None] if table.dim() == 3 else table
+    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]
     a, b = pairs[..., 0], pairs[..., 1]
     return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).type_as(x)
 
@@ -275,9 +277,9 @@ class LlamaGenGPT(nn.Module):
     ) -> torch.Tensor:
         """Input embeddings (B, T, dim) appended after the cache -> pre-norm hidden states (B, T, dim).
 
-        With `slots` (T,) and `visible` (T, capacity) (ZipAR, a token tree; inside `writing_at`): the inputs are
-        written at those slots, sit at sequence positions `positions` (default: the slots) and each attends to
-        the slots `visible` marks."""
+        With `slots` (T,) and `visible` (T, capacity) (ZipAR, a token tree; inside `writing_at`), or row by row
+        (rows, T) and (rows, T, capacity) (a ragged pass): the inputs are written at those slots, sit at sequence
+        positions `positions` (default: the slots) and each attends to the slots `visible` marks."""
         past = 0 if cache is None else cache.get_seq_length()
         if slots is None and past + embeds.shape[1] > self.max_length:
             raise ValueError(f"sequence of {past + embeds.shape[1]} exceeds {self.max_length} positions")
@@ -288,6 +290,8 @@ class LlamaGenGPT(nn.Module):
             if slots is None
             else self.rope[slots if positions is None else positions]
         )
+        if visible is not None and visible.dim() == 3:  # row by row: (rows, 1, T, capacity) for the heads
+            visible = visible[:, None]
         h = embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, i, cache, past, visible)
