@@ -543,13 +543,17 @@ class ARImageBackbone(nn.Module, ABC):
             flat, take, width = tokens, None, count
             flat_positions = starts[:, None] + torch.arange(count, device=device)[None]
         capacity = self.cache_capacity(state.prefix_length)
-        cache_width = reserve(state.cache, capacity + width)
+        # Room for a padded run near the image's end, grown in steps of 64 slots (each growth copies the cache).
+        reserve(state.cache, capacity + 64 * -(-width // 64))
         slots = state.prefix_length + flat_positions  # (B, width): consecutive, so no two writes share a slot
-        visible = torch.arange(cache_width, device=device)[None, None, :] <= slots[:, :, None]  # (B, width, slots)
+        # Attention reads the slots up to the furthest one fed, not the whole buffer (a pass early in the image
+        # costs what `step` costs there, not what the image's end would).
+        attend = int(slots.max()) + 1
+        visible = torch.arange(attend, device=device)[None, None, :] <= slots[:, :, None]  # (B, width, attend)
         positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
         if state.guided:
             flat, slots, visible, positions = (torch.cat([x, x]) for x in (flat, slots, visible, positions))
-        with writing_at(state.cache, slots):
+        with writing_at(state.cache, slots, attend):
             hidden = self._forward_flat_at(state, flat, slots, visible, positions=positions)
         if take is None:
             return hidden

@@ -33,6 +33,7 @@ class PreallocatedLayer(DynamicLayer):
         self.capacity = capacity
         self.length = 0
         self.write_slots: torch.Tensor | None = None  # set by `writing_at`
+        self.attend: int | None = None  # set by `writing_at`: the slots attention reads (None: all)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -59,6 +60,8 @@ class PreallocatedLayer(DynamicLayer):
                 index = self.write_slots[:, None, :, None]
                 self._key_buffer.scatter_(-2, index.expand_as(key_states), key_states)
                 self._value_buffer.scatter_(-2, index.expand_as(value_states), value_states)
+            if self.attend is not None:  # no query sees past this slot: attention reads no further
+                return self._key_buffer[..., : self.attend, :], self._value_buffer[..., : self.attend, :]
             return self._key_buffer, self._value_buffer
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
@@ -89,18 +92,19 @@ def preallocated_cache(num_layers: int, capacity: int) -> Cache:
 
 
 @contextmanager
-def writing_at(cache, slots: torch.Tensor) -> Iterator[None]:
+def writing_at(cache, slots: torch.Tensor, attend: int | None = None) -> Iterator[None]:
     """Inside the block, the cache's preallocated layers (a transformers Cache, or LlamaGen's) write this
-    pass's keys and values at `slots` (T,), or row by row at `slots` (rows, T), and return every slot; the
-    length reported afterwards covers the furthest slot."""
+    pass's keys and values at `slots` (T,), or row by row at `slots` (rows, T), and return every slot (the
+    first `attend` only, when given: the pass's mask is that wide); the length reported afterwards covers the
+    furthest slot."""
     for layer in cache.layers:
-        layer.write_slots = slots
+        layer.write_slots, layer.attend = slots, attend
     try:
         yield
     finally:
         furthest = int(slots.max()) + 1
         for layer in cache.layers:
-            layer.write_slots = None
+            layer.write_slots, layer.attend = None, None
             if layer.is_initialized:
                 layer._expose(max(layer.length, furthest))
 

@@ -62,7 +62,8 @@ class BackboneClock:
 
 @contextmanager
 def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
-    """Time every `prefill` and `step` of `backbone` inside the block (the instance's methods, restored after);
+    """Time every `prefill`, `step`, `step_at`, `step_tree` and `step_ragged` of `backbone` inside the block (the
+    instance's methods, restored after);
     of a continuous-token backbone also its diffusion head's `sample_tokens`; of MAR its `conditions` passes
     and `sample_positions`.
 
@@ -74,7 +75,16 @@ def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
     # MAR (masked, no cache): its encoder-decoder passes and its head's sampling.
     timed = tuple(
         name
-        for name in ("prefill", "step", "sample_tokens", "conditions", "sample_positions")
+        for name in (
+            "prefill",
+            "step",
+            "step_at",
+            "step_tree",
+            "step_ragged",
+            "sample_tokens",
+            "conditions",
+            "sample_positions",
+        )
         if hasattr(backbone, name)
     )
     for name in timed:

@@ -12,6 +12,12 @@ baseline's seconds on the same batch over the method's).
 
 Several seeds (``seeds``) repeat the whole comparison with seed, seed + 1, ...:
 the seed-to-seed band of every method's quality, from one run.
+
+Continuous batching (``queue_batches`` > 1): a turn is that many consecutive
+batches. A method that batches continuously (``MethodSpec.continuous``) gets
+the turn's images as one queue over ``batch_size`` slots; every other method
+runs the turn batch by batch. Each turn is one entry of every method's
+per-batch figures, so the paired speedups still compare the same images.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class SeedRun:
     batch_seconds: list[float] = field(default_factory=list)
     batch_backbone_seconds: list[float] = field(default_factory=list)
     batch_images: list[int] = field(default_factory=list)
+    batch_count: list[int] = field(default_factory=list)  # batches of `batch_size` each entry covers
     counts: dict = field(default_factory=dict)  # a method's own counts, summed over batches (GenerationResult.extras)
 
 
@@ -57,14 +64,24 @@ def run_interleaved(
     sampling: SamplingConfig,
     seeds: list[int],
     progress_seconds: float = 10.0,
+    queue_batches: int = 1,
 ) -> dict[str, list[SeedRun]]:
-    """Generate every image with every method at every seed, taking turns batch by batch; {name: [SeedRun per seed]}."""
+    """Generate every image with every method at every seed, taking turns batch by batch (turn by turn of
+    `queue_batches` batches); {name: [SeedRun per seed]}."""
     device = next(backbone.parameters()).device
     batches = conditions.batches(batch_size, backbone)
+    if queue_batches > 1 and conditions.class_ids is None:
+        raise ValueError(
+            "decode.queue_batches > 1 needs class-conditional images: prompts are batched by their token length, "
+            "and a queue mixing lengths cannot share one cache; set decode.queue_batches=1"
+        )
+    groups = [batches[g : g + queue_batches] for g in range(0, len(batches), queue_batches)]
     # One untimed one-image batch per method: first calls pay for allocations and lazy initialisation.
     warm_up = _to(conditions.subset(batches[0][0][:1]), device)
     for method in methods:
-        method.generate(backbone, warm_up, sampling, torch.Generator(device=device).manual_seed(seeds[0]))
+        # A continuous method warms up on a full batch of slots: it measures its pass costs at that batch then.
+        first = _to(batches[0][1], device) if method.spec.continuous else warm_up
+        method.generate(backbone, first, sampling, torch.Generator(device=device).manual_seed(seeds[0]), batch_size)
     runs = {
         method.name: [
             SeedRun(
@@ -76,7 +93,7 @@ def run_interleaved(
         ]
         for method in methods
     }
-    turns = [(k, b) for k in range(len(seeds)) for b in range(len(batches))]
+    turns = [(k, g) for k in range(len(seeds)) for g in range(len(groups))]
     # A line every few seconds (terminal and log file alike): images done by every method, the running passes.
     progress = ProgressLog(
         f"decode {len(methods)} methods at batch {batch_size}",
@@ -86,19 +103,18 @@ def run_interleaved(
         every_seconds=progress_seconds,
     )
     done = 0
-    for turn, (k, b) in enumerate(turns):
-        indices, condition = batches[b]
-        condition = _to(condition, device)
+    for turn, (k, g) in enumerate(turns):
+        group = [(indices, _to(condition, device)) for indices, condition in groups[g]]
         for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:  # rotating order
-            _timed_batch(method, runs[method.name][k], backbone, indices, condition, sampling, device)
-        done += len(indices)
+            _timed_turn(method, runs[method.name][k], backbone, group, sampling, device, batch_size)
+        done += sum(len(indices) for indices, _ in group)
         progress.update(done, f"seed {seeds[k]}; passes/image " + _running_passes(runs, k))
     return runs
 
 
 def _running_passes(runs: dict[str, list[SeedRun]], k: int) -> str:
     """'ar 576.0, ssd_exact 87.1': each method's passes per image so far at seed index k (one pass per batch)."""
-    return ", ".join(f"{name} {r[k].passes / max(len(r[k].batch_seconds), 1):.1f}" for name, r in runs.items())
+    return ", ".join(f"{name} {r[k].passes / max(sum(r[k].batch_count), 1):.1f}" for name, r in runs.items())
 
 
 def _token_buffer(backbone, count: int) -> torch.Tensor:
@@ -109,6 +125,33 @@ def _token_buffer(backbone, count: int) -> torch.Tensor:
     return torch.zeros(count, geometry.rows, geometry.cols, dtype=torch.long)
 
 
+def _timed_turn(
+    method: Method,
+    run: SeedRun,
+    backbone: ARImageBackbone,
+    group: list[tuple[torch.Tensor, Condition]],
+    sampling: SamplingConfig,
+    device: torch.device,
+    batch_size: int,
+) -> None:
+    """One turn of one method: the group's batches one by one, or as one queue over `batch_size` slots for a
+    method that batches continuously; recorded as one entry."""
+    if method.spec.continuous and len(group) > 1:
+        indices = torch.cat([indices for indices, _ in group])
+        condition = Condition(class_ids=torch.cat([condition.class_ids for _, condition in group]))
+        parts = [(indices, condition)]
+    else:
+        parts = group
+    entries = len(run.batch_seconds)
+    for indices, condition in parts:
+        _timed_batch(method, run, backbone, indices, condition, sampling, device, batch_size)
+    # Fold the turn's batches into one entry (the baseline's entry of the same turn covers the same images).
+    for name in ("batch_seconds", "batch_backbone_seconds", "batch_images"):
+        values = getattr(run, name)
+        values[entries:] = [sum(values[entries:])]
+    run.batch_count[entries:] = [len(group)]
+
+
 def _timed_batch(
     method: Method,
     run: SeedRun,
@@ -117,12 +160,13 @@ def _timed_batch(
     condition: Condition,
     sampling: SamplingConfig,
     device: torch.device,
+    batch_size: int,
 ) -> None:
     with clock_backbone_passes(backbone) as backbone_clock:
         if device.type == "cuda":
             torch.cuda.synchronize()
         began = time.perf_counter()
-        result = method.generate(backbone, condition, sampling, run.generator)
+        result = method.generate(backbone, condition, sampling, run.generator, slots=batch_size)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - began
@@ -133,6 +177,7 @@ def _timed_batch(
     run.batch_seconds.append(seconds)
     run.batch_backbone_seconds.append(backbone_clock.seconds)
     run.batch_images.append(len(indices))
+    run.batch_count.append(1)
     for key, value in result.extras.items():
         run.counts[key] = run.counts.get(key, 0) + value
 
@@ -144,7 +189,7 @@ def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) 
     meaning: means over every image. The spreads are the 10th, 50th and 90th
     percentiles across batches.
     """
-    batches = sum(len(run.batch_seconds) for run in runs)
+    batches = sum(sum(run.batch_count) for run in runs)  # batches of batch_size (a continuous queue: its share)
     images = sum(sum(run.batch_images) for run in runs)
     seconds = sum(sum(run.batch_seconds) for run in runs)
     backbone_seconds = sum(sum(run.batch_backbone_seconds) for run in runs)
@@ -167,7 +212,7 @@ def cost_figures(runs: list[SeedRun], baseline: list[SeedRun], num_tokens: int) 
         figures["mean_accepted_per_pass"] = num_tokens / passes_per_image
         figures["draft_acceptance_rate"] = sum(run.accepted for run in runs) / drafted
     baseline_seconds = sum(sum(run.batch_seconds) for run in baseline) / sum(sum(run.batch_images) for run in baseline)
-    baseline_passes = sum(run.passes for run in baseline) / sum(len(run.batch_seconds) for run in baseline)
+    baseline_passes = sum(run.passes for run in baseline) / sum(sum(run.batch_count) for run in baseline)
     figures["speedup_vs_ar"] = baseline_seconds / figures["seconds_per_image"]
     figures["nfe_reduction_vs_ar"] = baseline_passes / passes_per_image
     # The speedup this method's passes alone allow: what it would reach if drafting and verification were free.

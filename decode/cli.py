@@ -54,9 +54,10 @@ class DecodeRunSettings:
     top_k: int
     top_p: float
     save_tokens: bool
+    queue_batches: int = 1  # continuous batching: turns of this many batches (decode/benchmark.py)
 
     def __post_init__(self):
-        for key in ("num_images", "batch_size", "seeds"):
+        for key in ("num_images", "batch_size", "seeds", "queue_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"decode.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -173,7 +174,9 @@ def run_decode(cfg: DictConfig) -> dict:
     quality, quality_note = build_quality(cfg, backbone, pixels_available)
     print(f"[decode] quality: {quality_note}")
     seeds = [settings.seed + k for k in range(settings.seeds)]
-    runs = run_interleaved(methods, backbone, conditions, settings.batch_size, sampling, seeds)
+    runs = run_interleaved(
+        methods, backbone, conditions, settings.batch_size, sampling, seeds, queue_batches=settings.queue_batches
+    )
 
     report = _report_header(cfg, backbone, sampling, settings, seeds, conditions, quality_note)
     for method in methods:
@@ -213,6 +216,7 @@ def _report_header(cfg, backbone, sampling, settings: DecodeRunSettings, seeds, 
         "sampling": vars(sampling) | {"guided": sampling.guided},
         "num_images": settings.num_images,
         "batch_size": settings.batch_size,
+        "queue_batches": settings.queue_batches,
         "seed": settings.seed,
         "seeds": seeds,
         "interleaved": True,  # the methods took turns batch by batch (decode/benchmark.py)

@@ -37,3 +37,6 @@ class MethodSpec:
     token_kind: str = "discrete"
     # load_artefact(path, backbone, device=..., kind=...) -> the artefact; None: a safetensors export (heads/export.py)
     load_artefact: Callable[..., Any] | None = None
+    # True: `generate` takes a queue of any length and decodes `settings.slots` images at once, a finished
+    # image's slot going to the next of the queue (continuous batching; its settings have a `slots` field)
+    continuous: bool = False

@@ -18,6 +18,7 @@ ranges) before any export is loaded or any image generated.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass
@@ -61,8 +62,14 @@ class Method:
         condition: Condition,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        slots: int | None = None,
     ) -> GenerationResult:
-        return self.spec.generate(backbone, self.artefact, condition, sampling, generator, self.settings)
+        """Generate the condition's images; `slots`: a continuous-batching method whose settings leave its slots
+        to the run (``slots: 0``) decodes that many images at once over the condition's queue."""
+        settings = self.settings
+        if slots and self.spec.continuous and not settings.slots:
+            settings = dataclasses.replace(settings, slots=slots)
+        return self.spec.generate(backbone, self.artefact, condition, sampling, generator, settings)
 
     @property
     def lossless(self) -> bool:

@@ -86,3 +86,32 @@ def sample_tokens(
     if sampling.greedy:
         return scores.argmax(-1)
     return sample_from(token_distribution(scores, sampling), generator)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding 32-bit values (products wrap, the mask keeps
+    their low 32 bits)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_uniforms(seeds: torch.Tensor, *keys: torch.Tensor | int) -> torch.Tensor:
+    """Uniforms in [0, 1) that depend on (seed, keys) only: int64 tensors broadcast together -> float32.
+
+    A generator whose images share a batch draws each image's uniforms by its own seed and the event's keys
+    (grid position, attempt, kind), not from one stream in batch order: an image then draws the same numbers
+    whichever images share its batch and in which order they finish (continuous batching). 24 bits of a
+    hash chain (MurmurHash3's finaliser, combined as boost's hash_combine).
+    """
+    h = _mix32(seeds.long())
+    for key in keys:
+        key = torch.as_tensor(key, dtype=torch.long, device=h.device)
+        h = _mix32(h ^ (_mix32(key) + 0x9E3779B9 + (h << 6) + (h >> 2)))
+    return (h >> 8).float() * (1.0 / (1 << 24))

@@ -28,6 +28,9 @@ from backbones.base import ARImageBackbone, DecodeState
 from decode.sampling import SamplingConfig, sample_from, sample_with, token_distribution
 from heads.ssd import SSDHeads
 
+# uniforms(steps) -> (steps, images): the uniforms of a chain's draws, where a caller keys them itself
+UniformSource = Callable[[int], torch.Tensor]
+
 
 @dataclass
 class DraftedRow:
@@ -114,11 +117,14 @@ class SSDRowDrafter:
             return None
         return self.heads.grid.prepare_above(hidden_above, self.embed(tokens_above))
 
-    def vertical(self, hidden_above: torch.Tensor, tokens_above: torch.Tensor) -> DraftedRow:
-        """Drafts for a whole row from the row above (states (G, C, H), tokens (B, C))."""
+    def vertical(
+        self, hidden_above: torch.Tensor, tokens_above: torch.Tensor, uniforms: torch.Tensor | None = None
+    ) -> DraftedRow:
+        """Drafts for a whole row from the row above (states (G, C, H), tokens (B, C)); `uniforms` (B, C): the
+        draws' uniforms (default: from the generator)."""
         states = self.heads.vertical(hidden_above, self.embed(tokens_above))
         q = self.draft_distribution(states)
-        return DraftedRow(self.sample(q), q, states)
+        return DraftedRow(self.sample(q) if uniforms is None else sample_with(q, uniforms), q, states)
 
     def draft_row(
         self, row: int, first_state: torch.Tensor | None, hidden_above, tokens_above, above_prepared, keep_states: bool
@@ -164,22 +170,25 @@ class SSDRowDrafter:
         exact_state: torch.Tensor,
         above_prepared,
         to_end: bool = False,
+        uniforms: UniformSource | None = None,
     ) -> None:
         """After the backbone gave the tokens at `positions` (one per image in `images`), re-draft what follows.
 
         `exact_state` (rows of `images`, H) predicted those tokens. The grid head re-drafts `grid_limit`
         positions (all of them with `to_end`), the horizontal head `horizontal_steps` (the whole row in row 0).
+        `uniforms(steps)` gives the chain's uniforms (steps, images) (default: drawn from the generator).
         """
         given = drafted.tokens[images, positions]
         if above_prepared is not None:
-            self.along(drafted, images, positions, exact_state, given, above_prepared, 0 if to_end else self.grid_limit)
+            limit = 0 if to_end else self.grid_limit
+            self.along(drafted, images, positions, exact_state, given, above_prepared, limit, uniforms)
         else:
             steps = self.cols - 1 if row == 0 else self.config.horizontal_steps
-            self.horizontal(drafted, images, positions, exact_state, given, steps)
+            self.horizontal(drafted, images, positions, exact_state, given, steps, uniforms)
 
     # ---- chains along the row ------------------------------------------------------------------------
 
-    def horizontal(self, drafted: DraftedRow, images, positions, hidden, tokens, steps: int) -> None:
+    def horizontal(self, drafted: DraftedRow, images, positions, hidden, tokens, steps: int, uniforms=None) -> None:
         """Re-draft `steps` positions after `positions` with the horizontal head, in place."""
         self._chain(
             drafted,
@@ -189,9 +198,12 @@ class SSDRowDrafter:
             tokens,
             steps,
             lambda left, left_tokens, step: self.heads.horizontal(left, self.embed(left_tokens)),
+            uniforms,
         )
 
-    def along(self, drafted: DraftedRow, images, positions, hidden, tokens, above_prepared, limit: int = 0) -> None:
+    def along(
+        self, drafted: DraftedRow, images, positions, hidden, tokens, above_prepared, limit: int = 0, uniforms=None
+    ) -> None:
         """Re-draft the positions after `positions` to the row's end (at most `limit`, 0: all) with the grid head.
 
         Each position is drafted from the row above (`above_prepared`, (G, C, width)) and the state and token
@@ -208,7 +220,7 @@ class SSDRowDrafter:
         def predict(left, left_tokens, step):
             return grid_step(above[:, step], left, share[left_tokens].repeat(twins, 1))
 
-        self._chain(drafted, images, positions, hidden, tokens, steps, predict)
+        self._chain(drafted, images, positions, hidden, tokens, steps, predict, uniforms)
 
     def _chain(
         self,
@@ -219,6 +231,7 @@ class SSDRowDrafter:
         tokens,
         steps: int,
         predict: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+        uniforms: UniformSource | None = None,
     ) -> None:
         """Draft up to `steps` positions one after another right of `positions`, each from the one before.
 
@@ -230,7 +243,10 @@ class SSDRowDrafter:
         if steps <= 0:
             return
         # One uniform per step and image, drawn up front: each step's draft is an independent draw from its q.
-        uniforms = torch.rand(steps, len(images), generator=self.generator, device=drafted.tokens.device)
+        if uniforms is None:
+            uniforms = torch.rand(steps, len(images), generator=self.generator, device=drafted.tokens.device)
+        else:
+            uniforms = uniforms(steps)
         chain_tokens, chain_q, chain_states = [], [], []
         for step in range(steps):
             hidden = predict(hidden, tokens, step)  # (rows, H)

@@ -4,9 +4,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import COMPARISON_METHODS, compose_config
 
 from decode.cli import run_decode
+from decode.sampling import SamplingConfig
 
 
 def test_decode_writes_metrics_pngs_and_tokens(tmp_path, classifier_cache):
@@ -298,3 +300,46 @@ def test_a_missing_export_names_the_experiment_that_makes_it(tmp_path):
     methods = check_methods(cfg.decode)
     with pytest.raises(FileNotFoundError, match=r"python -m train \+experiment=mulo_digits"):
         load_artefacts(methods, hydra_backbone(["backbone=digits_tiny"], tmp_path))
+
+
+def test_continuous_turns_give_a_queue_to_ssd_ragged_and_count_its_passes_per_batch(tmp_path, classifier_cache):
+    """decode.queue_batches=2: ssd_ragged decodes each turn's 4 images as one queue over 2 slots, AR batch by
+    batch; the ragged method's passes are counted per batch of 2 (its rounds over the turn's two batches), and
+    its tokens are those of one direct call on the same queue."""
+    import hydra
+
+    from decode.ssd_ragged import RaggedSSDConfig, generate_ssd_ragged
+    from heads.export import load_heads
+
+    common = [
+        "backbone=digits_tiny",
+        "decode.num_images=8",
+        "decode.batch_size=2",
+        "decode.queue_batches=2",
+        "decode.save_tokens=true",
+        "decode.presets.ssd_ragged.window=2",
+        f"decode.heads={tmp_path / 'heads'}",
+        f"paths.checkpoints_dir={classifier_cache}",
+    ]
+    backbone = hydra.utils.instantiate(compose_config(common, tmp_path).backbone)
+    _export_tiny_heads(backbone, tmp_path / "heads")
+    report = run_decode(
+        compose_config([*common, "decode.methods=[ar,ssd_ragged]", f"decode.out={tmp_path / 'out'}"], tmp_path)
+    )
+    assert report["queue_batches"] == 2
+    assert report["methods"]["ar"]["forward_passes_per_image"] == backbone.geometry.num_tokens
+    tokens = np.load(tmp_path / "out" / "tokens_ssd_ragged.npy")
+    heads = load_heads(tmp_path / "heads", backbone, kind="ssd")
+    from decode.conditions import build_conditions
+
+    conditions = build_conditions(backbone, 8, None, "smoke", "caption")
+    generator = torch.Generator().manual_seed(0)
+    first_turn = generate_ssd_ragged(
+        backbone,
+        heads,
+        conditions.subset(torch.arange(4)),
+        SamplingConfig(cfg_scale=3.0),
+        generator,
+        RaggedSSDConfig(window=2, slots=2),
+    )
+    assert np.array_equal(tokens[:4], first_turn.tokens.numpy())

@@ -1,0 +1,453 @@
+"""SSD with ragged frontiers and continuous batching: every image of a batch verifies its own row, from its own
+position, in one shared pass, and an image that is done hands its slot to the next image of the queue.
+
+decode/ssd.py keeps every image of a batch on the same row: a row costs 1 + the most rejections of any image,
+so at batch 16 an image waits at each row for the slowest of 16 (173.8 passes per image against 87.7 alone).
+Here each of the ``slots`` images has its own frontier:
+
+1. Per pass, image ``b`` feeds grid positions ``[cached_b, end_b)``: the one committed token its cache lacks
+   (a correction) and its open drafts up to ``end_b`` (its row's end, or a window). One ragged pass
+   (`ARImageBackbone.step_ragged`) gives each image its own target states, exactly the states `step` would
+   give it alone.
+2. Each image's open drafts are tested left to right against its own target (speculative sampling: accept
+   with ``min(1, p/q)``, at the first rejection draw from ``norm(max(0, p - q))``), and the positions after a
+   correction are re-drafted by the heads from the exact state, as in decode/ssd.py.
+3. An image whose row is final starts its next row at once (vertical head over the finished row; the grid or
+   horizontal head along it from the first token, which is drawn from the backbone where the pass gave its
+   state and drafted otherwise); an image whose last row is final leaves its slot to the next condition of the
+   queue (`ARImageBackbone.replace_images` over a fresh prefill).
+
+Exactness: each image's tokens are produced by the exact speculative-sampling rule applied to its own drafts
+and its own target distributions; which positions a pass verifies (the window, the cost model) and when an
+image's pass happens only decide how many tests are made, never what is accepted, so every image's output has
+the backbone's distribution, and greedy output is greedy AR's. The target states come from the image's own cache
+rows, whose slots before ``cached_b`` hold exactly its committed tokens (a slot is final only once its token
+is; the mask of a ragged pass hides every later slot).
+
+Randomness: each image's uniforms are keyed by its own seed and the event (grid position, how many drafts that
+position has had, what the uniform is for; `decode.sampling.keyed_uniforms`), not drawn in batch order. So at a
+fixed window an image gets the same tokens whatever images share its batch, how many slots there are, and
+when it enters (bit-identical where the backbone's batched pass is: float32 results can depend on the batch's
+shape by rounding, which flips a token only at a near-tie). The image seeds are drawn from the generator, one
+per condition, in the queue's order.
+
+Cost-aware windows (``window: auto``): before each pass the generator picks how many open positions per image
+the pass verifies, maximising the expected committed tokens per second: each image's expected tokens
+``sum_{k<w} a^k`` from its acceptance rate ``a`` measured so far (a prior of 0.85 with 8 pseudo-counts), over
+the pass's cost at that length, measured on this machine at start-up at this batch size, plus the drafting time
+per pass measured as it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from backbones.base import ARImageBackbone, Condition
+from decode.method import MethodSpec
+from decode.result import GenerationResult
+from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
+from decode.sampling import SamplingConfig, keyed_uniforms, sample_with
+from decode.ssd import SSDDecodeConfig
+from decode.ssd_drafting import DraftedRow, SSDRowDrafter
+from heads.ssd import SSDHeads
+
+# What a keyed uniform is for (the last key of `keyed_uniforms`).
+_DRAFT, _TEST, _RESIDUAL, _FIRST = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class RaggedSSDConfig:
+    """How ragged SSD drafts, verifies and schedules."""
+
+    # exact: lossless speculative sampling; prefix: the exact rule for rounds + 1 passes per row, then the row's
+    # re-drafted rest is kept unverified (decode/ssd.py's autocorrect with correction prefix)
+    mode: Literal["exact", "prefix"] = "exact"
+    rounds: int = 1
+    grid_steps: int = 6  # grid heads: positions re-drafted along the row after each token the backbone gave
+    horizontal_steps: int = 1  # without a grid head: positions re-drafted by the horizontal head (row 0: all)
+    # open positions a pass verifies per image: 0 to the row's end, n at most n, "auto" chosen per pass by cost
+    window: int | Literal["auto"] = 0
+    slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
+
+    def __post_init__(self):
+        if self.mode not in ("exact", "prefix"):
+            raise ValueError(f"ragged SSD mode must be 'exact' or 'prefix', got {self.mode!r}")
+        if self.window != "auto" and (not isinstance(self.window, int) or self.window < 0):
+            raise ValueError(f"ragged SSD window must be an int >= 0 or 'auto', got {self.window!r}")
+        if min(self.rounds, self.grid_steps, self.horizontal_steps, self.slots) < 0:
+            raise ValueError(
+                f"ragged SSD rounds, grid_steps, horizontal_steps and slots must be >= 0, got {self.rounds}, "
+                f"{self.grid_steps}, {self.horizontal_steps}, {self.slots}"
+            )
+
+    def drafting(self) -> SSDDecodeConfig:
+        """The drafter's settings (decode/ssd_drafting.py reads them from an SSDDecodeConfig)."""
+        window = 0 if self.window == "auto" else self.window
+        return SSDDecodeConfig(grid_steps=self.grid_steps, horizontal_steps=self.horizontal_steps, window=window)
+
+
+class _Slots:
+    """The images being decoded: per slot its image, row, frontier and drafts (B slots, G = twins * B rows)."""
+
+    def __init__(self, backbone: ARImageBackbone, drafter: SSDRowDrafter, batch: int, device, dtype):
+        rows, cols, hidden = backbone.geometry.rows, backbone.geometry.cols, backbone.hidden_size
+        cache_rows = drafter.twins * batch
+        self.image = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1: empty
+        self.seed = torch.zeros(batch, dtype=torch.long, device=device)
+        self.row = torch.zeros(batch, dtype=torch.long, device=device)
+        self.committed = torch.zeros(batch, dtype=torch.long, device=device)  # final positions of the row
+        self.cached = torch.zeros(batch, dtype=torch.long, device=device)  # grid position: cache final before it
+        self.grid = torch.zeros(batch, rows * cols, dtype=torch.long, device=device)  # committed, then drafts
+        self.drafts = DraftedRow(
+            torch.zeros(batch, cols, dtype=torch.long, device=device),
+            torch.zeros(batch, cols, backbone.codebook_size, device=device),
+        )
+        self.attempts = torch.zeros(batch, cols, dtype=torch.long, device=device)  # drafts each position had
+        self.states = torch.zeros(cache_rows, cols + 1, hidden, device=device, dtype=dtype)  # [:, cols]: next row
+        self.state_known = torch.zeros(batch, cols + 1, dtype=torch.bool, device=device)
+        self.above_states = torch.zeros(cache_rows, cols, hidden, device=device, dtype=dtype)
+        self.above_tokens = torch.zeros(batch, cols, dtype=torch.long, device=device)
+        self.above_prepared: torch.Tensor | None = None  # the grid head's share of each slot's row above
+        self.row_passes = torch.zeros(batch, dtype=torch.long, device=device)
+        self.tested = torch.zeros(batch, device=device)  # this image's tests and acceptances (cost model)
+        self.accepted = torch.zeros(batch, device=device)
+
+    @property
+    def active(self) -> torch.Tensor:
+        return self.image >= 0
+
+
+@torch.inference_mode()
+def generate_ssd_ragged(
+    backbone: ARImageBackbone,
+    heads: SSDHeads,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    config: RaggedSSDConfig = RaggedSSDConfig(),
+) -> GenerationResult:
+    """Generate one image per condition with ragged SSD over ``config.slots`` slots (see the module docstring).
+
+    ``forward_passes`` counts every backbone pass (each ragged pass and each prefill that starts images); the
+    passes per image of a batch-synchronous method correspond to ``forward_passes * slots / conditions``.
+    """
+    count = condition.batch_size
+    slots = min(config.slots or count, count)
+    rows, cols = backbone.geometry.rows, backbone.geometry.cols
+    seeds = torch.randint(0, 2**31 - 1, (count,), generator=generator, device=generator.device if generator else None)
+    state, first = backbone.prefill(_conditions_at(condition, list(range(slots))), sampling.guided)
+    device = first.device
+    drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config.drafting(), device)
+    run = _Slots(backbone, drafter, slots, device, first.dtype)
+    output = torch.zeros(count, rows * cols, dtype=torch.long, device=device)
+    queue = deque(range(slots, count))
+    chooser = _WindowChooser(backbone, state, slots, cols, sampling.guided) if config.window == "auto" else None
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0}
+    _start_images(run, drafter, torch.arange(slots, device=device), torch.arange(slots, device=device), seeds, first)
+    while bool(run.active.any()):
+        began = time.perf_counter()
+        window = chooser.choose(run) if chooser is not None else (config.window or cols)
+        out, lengths = _ragged_pass(backbone, state, run, window, cols)
+        counts["passes"] += 1
+        counts["window_sum"] += window
+        counts["window_passes"] += 1
+        _test_and_correct(run, drafter, out, lengths, config, counts)
+        done = _finish_rows(run, drafter, output, rows)
+        if len(done):
+            refill = done[: len(queue)]
+            if len(refill):
+                images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=device)
+                fresh, fresh_first = backbone.prefill(_conditions_at(condition, images.tolist()), sampling.guided)
+                backbone.replace_images(state, refill, fresh)
+                counts["passes"] += 1
+                _start_images(run, drafter, refill, images, seeds, fresh_first)
+            run.image[done[len(refill) :]] = -1
+        if chooser is not None:
+            chooser.observe(time.perf_counter() - began)
+    return GenerationResult(
+        output.view(count, rows, cols),
+        forward_passes=counts["passes"],
+        drafted_tokens=counts["drafted"],
+        accepted_tokens=counts["accepted"],
+        extras={"window_sum": counts["window_sum"], "window_passes": counts["window_passes"]},
+    )
+
+
+def _conditions_at(condition: Condition, indices: list[int]) -> Condition:
+    """The condition of these rows (class ids, prompt ids or prompts), in this order."""
+    if condition.class_ids is not None:
+        return Condition(class_ids=condition.class_ids[indices])
+    if condition.token_ids is not None:
+        return Condition(token_ids=condition.token_ids[indices])
+    return Condition(prompts=[condition.prompts[i] for i in indices])
+
+
+def _uniforms(run: _Slots, slots: torch.Tensor, columns: torch.Tensor, attempts: torch.Tensor, kind: int):
+    """Keyed uniforms of slots (k,) at row columns (k, n) with these attempt numbers (k, n)."""
+    positions = run.row[slots, None] * run.drafts.tokens.shape[1] + columns
+    return keyed_uniforms(run.seed[slots, None], positions, attempts, kind)
+
+
+def _start_images(run: _Slots, drafter: SSDRowDrafter, slots, images, seeds, first: torch.Tensor) -> None:
+    """Slots (k,) begin images (k,): row 0, its first token from the backbone (states `first`, (2k or k, 1, H)),
+    the rest of the row drafted by the horizontal head."""
+    twin_slots = drafter.twin(slots)
+    run.image[slots], run.seed[slots] = images, seeds[images.to(seeds.device)].to(run.seed.device)
+    run.row[slots] = 0
+    run.cached[slots] = 0
+    run.row_passes[slots] = 0
+    run.tested[slots], run.accepted[slots] = 0.0, 0.0
+    run.states[twin_slots] = 0
+    run.state_known[slots] = False
+    run.states[twin_slots, 0] = first[:, 0]
+    run.state_known[slots, 0] = True
+    run.attempts[slots] = 0
+    run.drafts.q[slots] = 0
+    _draw_first(run, drafter, slots, run.states[twin_slots, 0])
+    _redraft(run, drafter, slots, torch.zeros_like(slots), first_row=True)
+    run.grid[slots, : run.drafts.tokens.shape[1]] = run.drafts.tokens[slots]
+
+
+def _draw_first(run: _Slots, drafter: SSDRowDrafter, slots, first_state: torch.Tensor) -> None:
+    """The row's first token from the backbone's state predicting it (rows of `slots`, H): final."""
+    q = drafter.distribution(first_state[:, None])[:, 0]
+    zero = torch.zeros_like(slots)[:, None]
+    uniform = _uniforms(run, slots, zero, zero, _FIRST)[:, 0]
+    run.drafts.q[slots, 0] = q
+    run.drafts.tokens[slots, 0] = sample_with(q, uniform)
+    run.committed[slots] = 1
+
+
+def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: bool) -> None:
+    """Re-draft each slot's row after `positions` (the backbone gave those tokens; their states are known),
+    with uniforms keyed per image; each re-drafted position's attempt count goes up by one. Row 0
+    (`first_row`) is drafted by the horizontal head to its end, later rows by the grid head where there is
+    one (else `horizontal_steps` positions by the horizontal head)."""
+    cols = drafter.cols
+
+    def uniforms(steps: int) -> torch.Tensor:
+        columns = (positions[:, None] + torch.arange(1, steps + 1, device=positions.device)).clamp(max=cols - 1)
+        inside = positions[:, None] + torch.arange(1, steps + 1, device=positions.device) < cols
+        attempts = run.attempts[slots[:, None], columns] + 1
+        draws = _uniforms(run, slots, columns, attempts, _DRAFT)
+        # Only the columns inside the row (clamped ones repeat the last column: a write there would race).
+        run.attempts[slots[:, None].expand_as(columns)[inside], columns[inside]] = attempts[inside]
+        return draws.T
+
+    exact_state = run.states[drafter.twin(slots), positions.repeat(drafter.twins)]
+    above_prepared = None if first_row or not drafter.has_grid else run.above_prepared
+    # The drafter reads the row index only to tell row 0 (drafted horizontally to the end) from the others.
+    drafter.redraft(run.drafts, 0 if first_row else 1, slots, positions, exact_state, above_prepared, uniforms=uniforms)
+
+
+def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, window: int, cols: int):
+    """Feed every image from its first open cache slot to `window` open positions after its committed ones
+    (its row's end at most): one ragged pass. Returns the states (rows, T, H) and each image's run length."""
+    row_start = run.row * cols
+    end = row_start + torch.minimum(run.committed + window, torch.full_like(run.committed, cols))
+    lengths = torch.where(run.active, end - run.cached, 1)
+    width = int(lengths.max())
+    positions = (run.cached[:, None] + torch.arange(width, device=lengths.device)).clamp(max=run.grid.shape[1] - 1)
+    tokens = run.grid.gather(1, positions)
+    starts = torch.where(run.active, run.cached, 0)
+    return backbone.step_ragged(state, tokens, starts), lengths
+
+
+def _test_and_correct(run: _Slots, drafter: SSDRowDrafter, out, lengths, config: RaggedSSDConfig, counts) -> None:
+    """Store each image's new states, test its open drafts, draw its first rejection from the residual and
+    re-draft the rest of its row from there; budget-spent rows (prefix mode) keep their drafts."""
+    cols = drafter.cols
+    batch = run.image.shape[0]
+    arange = torch.arange(cols + 1, device=out.device)
+    # out[b, j] predicts grid position cached_b + j + 1: row column c comes from j = row_start + c - 1 - cached.
+    j = run.row[:, None] * cols + arange[None] - 1 - run.cached[:, None]  # (B, C + 1)
+    fresh = (j >= 0) & (j < lengths[:, None]) & run.active[:, None]
+    twin_j = j.clamp(min=0, max=out.shape[1] - 1).repeat(drafter.twins, 1)
+    gathered = out.gather(1, twin_j[..., None].expand(-1, -1, out.shape[-1]))
+    twin_fresh = fresh.repeat(drafter.twins, 1)
+    run.states = torch.where(twin_fresh[..., None], gathered, run.states)
+    run.state_known |= fresh
+    extent = (run.cached + lengths - run.row * cols).clamp(max=cols)  # columns < extent were verified
+    columns = arange[None, :cols]
+    is_open = (columns >= run.committed[:, None]) & (columns < extent[:, None]) & run.active[:, None]
+    p = drafter.distribution(run.states[:, :cols])  # (B, C, V)
+    drafts = run.drafts
+    uniform = _uniforms(run, torch.arange(batch, device=out.device), columns.expand(batch, -1), run.attempts, _TEST)
+    passed = accept_drafts(probability_of(p, drafts.tokens), probability_of(drafts.q, drafts.tokens), uniform)
+    rejected_at = first_true(is_open & ~passed, cols)  # (B,)
+    rejected = rejected_at < cols
+    tested = (is_open & (columns <= rejected_at[:, None])).sum(1)
+    counts["drafted"] += int(tested.sum())
+    accepted = tested - rejected.long()
+    counts["accepted"] += int(accepted.sum())
+    run.tested += tested.float()
+    run.accepted += accepted.float()
+    run.row_passes += run.active.long()
+    opened = run.active & (extent > run.committed)
+    # No rejection: every verified draft is final, and so are their cache slots.
+    run.committed = torch.where(opened & ~rejected, extent, run.committed)
+    run.cached = torch.where(opened & ~rejected, run.row * cols + extent, run.cached)
+    fixed = torch.nonzero(rejected)[:, 0]
+    if len(fixed) == 0:
+        return _keep_unverified(run, drafter, config) if config.mode == "prefix" else None
+    position = rejected_at[fixed]
+    residual = residual_distribution(p[fixed, position], drafts.q[fixed, position])
+    residual_uniform = _uniforms(run, fixed, position[:, None], run.attempts[fixed, position][:, None], _RESIDUAL)
+    drafts.tokens[fixed, position] = sample_with(residual, residual_uniform[:, 0])
+    run.grid[fixed, run.row[fixed] * cols + position] = drafts.tokens[fixed, position]
+    run.committed[fixed] = position + 1
+    run.cached[fixed] = run.row[fixed] * cols + position  # the rejected draft's slot holds the wrong token
+    run.state_known[fixed] &= arange[None] <= position[:, None]  # states right of the correction are stale
+    more = fixed[position < cols - 1]
+    if len(more):
+        first_row = run.row[more] == 0
+        for group, is_first in ((more[first_row], True), (more[~first_row], False)):
+            if len(group):
+                _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first)
+        run.grid[more[:, None], (run.row[more] * cols)[:, None] + arange[None, :cols]] = drafts.tokens[more]
+    if config.mode == "prefix":
+        _keep_unverified(run, drafter, config)
+
+
+def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, config: RaggedSSDConfig) -> None:
+    """Prefix mode: a row that has had rounds + 1 passes keeps its open drafts as they stand."""
+    spent = run.active & (run.row_passes > config.rounds) & (run.committed < drafter.cols)
+    if bool(spent.any()):
+        run.committed[spent] = drafter.cols
+
+
+def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int) -> torch.Tensor:
+    """Images whose row is final write it out and start their next row; returns the slots whose image is done."""
+    cols = drafter.cols
+    finished = torch.nonzero(run.active & (run.committed >= cols))[:, 0]
+    if len(finished) == 0:
+        return finished
+    arange = torch.arange(cols, device=finished.device)
+    grid_columns = (run.row[finished] * cols)[:, None] + arange[None]
+    output[run.image[finished][:, None], grid_columns] = run.drafts.tokens[finished]
+    last = run.row[finished] == rows - 1
+    done, going = finished[last], finished[~last]
+    if len(going) == 0:
+        return done
+    twin_going = drafter.twin(going)
+    # The finished row becomes the row above: its states are exact (each position was tested with its state).
+    run.above_states[twin_going] = run.states[twin_going, :cols]
+    run.above_tokens[going] = run.drafts.tokens[going]
+    next_known = run.state_known[going, cols]
+    next_state = run.states[twin_going, cols]
+    previous_cached = run.cached[going]
+    run.row[going] += 1
+    run.row_passes[going] = 0
+    run.attempts[going] = 0
+    run.states[twin_going] = 0
+    run.state_known[going] = False
+    if drafter.has_grid:
+        prepared = drafter.prepare_above(run.above_states[twin_going], run.above_tokens[going])
+        if run.above_prepared is None:
+            run.above_prepared = prepared.new_zeros(run.states.shape[0], *prepared.shape[1:])
+        run.above_prepared[twin_going] = prepared
+    # The vertical head drafts the whole row (the first token too, where the backbone has not given its state).
+    zero = torch.zeros(len(going), cols, dtype=torch.long, device=going.device)
+    vertical = drafter.vertical(
+        run.above_states[twin_going],
+        run.above_tokens[going],
+        _uniforms(run, going, arange.expand_as(zero), zero + 1, _DRAFT),
+    )
+    run.attempts[going] = 1
+    run.drafts.tokens[going], run.drafts.q[going] = vertical.tokens, vertical.q
+    run.committed[going] = 0
+    # Where the pass did not give the state after the row's last token (a correction there, or prefix mode's
+    # unverified rest), the cache lacks that row's tail: the next pass feeds it before the new drafts.
+    run.cached[going] = torch.where(next_known, run.row[going] * cols, previous_cached)
+    known = going[next_known]
+    if len(known):
+        twin_known = drafter.twin(known)
+        run.states[twin_known, 0] = next_state[next_known.repeat(drafter.twins)]
+        run.state_known[known, 0] = True
+        _draw_first(run, drafter, known, run.states[twin_known, 0])
+        _redraft(run, drafter, known, torch.zeros_like(known), first_row=False)
+    run.grid[going[:, None], (run.row[going] * cols)[:, None] + arange[None]] = run.drafts.tokens[going]
+    return done
+
+
+class _WindowChooser:
+    """Cost-aware windows: the pass length that maximises the batch's expected committed tokens per second."""
+
+    def __init__(self, backbone: ARImageBackbone, state, batch: int, cols: int, guided: bool, prior: float = 0.85):
+        self.cols, self.prior, self.prior_weight = cols, prior, 8.0
+        self.lengths = sorted({1, 2, 3, 4, 6, 8, 12, 16, cols, cols + 1} - {0})
+        # Measured once per backbone, batch and guidance in this process ("at start-up"), not per call.
+        key = (id(backbone), str(next(backbone.parameters()).device), batch, guided, tuple(self.lengths))
+        if key not in _MEASURED_PASS_SECONDS:
+            _MEASURED_PASS_SECONDS[key] = _ragged_pass_seconds(backbone, state, batch, self.lengths)
+        self.seconds = _MEASURED_PASS_SECONDS[key]
+        self.overhead = 0.0  # drafting and testing per pass, measured as the generation runs
+        self.overhead_count = 0
+        self.last_pass = 0.0
+
+    def choose(self, run: _Slots) -> int:
+        rate = (run.accepted + self.prior * self.prior_weight) / (run.tested + self.prior_weight)  # (B,)
+        remaining = (self.cols - run.committed).clamp(min=1)
+        lag = run.row * self.cols + run.committed - run.cached  # committed tokens the cache lacks (0 or 1)
+        best, best_rate = self.cols, -1.0
+        for window in range(1, self.cols + 1):
+            w = torch.minimum(remaining, torch.full_like(remaining, window)).float()
+            expected = torch.where(run.active, (1 - rate**w) / (1 - rate).clamp(min=1e-6), 0.0).sum()
+            length = int(torch.where(run.active, w.long() + lag, 1).max())
+            tokens_per_second = float(expected) / (self._pass_seconds(length) + self.overhead)
+            if tokens_per_second > best_rate:
+                best, best_rate = window, tokens_per_second
+        self.last_pass = self._pass_seconds(best)
+        return best
+
+    def observe(self, seconds: float) -> None:
+        """A round's wall-clock: what it took beyond its pass is the drafting overhead (running mean)."""
+        self.overhead_count += 1
+        self.overhead += (max(0.0, seconds - self.last_pass) - self.overhead) / self.overhead_count
+
+    def _pass_seconds(self, length: int) -> float:
+        lengths, seconds = self.lengths, self.seconds
+        if length <= lengths[0]:
+            return seconds[0]
+        for (a, sa), (b, sb) in zip(zip(lengths, seconds), zip(lengths[1:], seconds[1:])):
+            if length <= b:
+                return sa + (sb - sa) * (length - a) / (b - a)
+        return seconds[-1] * length / lengths[-1]
+
+
+_MEASURED_PASS_SECONDS: dict[tuple, list[float]] = {}
+
+
+def _ragged_pass_seconds(backbone: ARImageBackbone, state, batch: int, lengths: list[int]) -> list[float]:
+    """The measured seconds of a ragged pass of each length at this batch (median of 3 after a warm-up), fed
+    mid-image and thrown away (the slots it writes lie past every image's final slots at start-up)."""
+    from decode.pass_cost import median_seconds
+
+    device = next(backbone.parameters()).device
+    middle = backbone.geometry.num_tokens // 2
+    seconds = []
+    for length in lengths:
+        start = max(1, min(middle, backbone.geometry.num_tokens - length))
+        tokens = torch.zeros(batch, length, dtype=torch.long, device=device)
+        starts = torch.full((batch,), start, dtype=torch.long, device=device)
+        seconds.append(median_seconds(lambda t=tokens, s=starts: backbone.step_ragged(state, t, s), device, 3, 1))
+    return seconds
+
+
+def _generate(backbone, heads, condition, sampling, generator, settings: RaggedSSDConfig) -> GenerationResult:
+    return generate_ssd_ragged(backbone, heads, condition, sampling, generator, settings)
+
+
+METHOD = MethodSpec(
+    generate=_generate,
+    settings=RaggedSSDConfig,
+    artefact="heads",
+    artefact_kind="ssd",
+    lossless=lambda settings: settings.mode == "exact",
+    continuous=True,
+)

@@ -1,0 +1,141 @@
+"""Ragged SSD with continuous batching (decode/ssd_ragged.py) is lossless, keeps images apart, and gives an
+image the same tokens whatever images share its batch.
+
+Greedy: equal to greedy AR with images that finish at different times (random heads: every image has its own
+rejections) and slots refilled from the queue, on the digits backbone and every adapter. Sampled: chi-square
+against the enumerated 3x3 grid with 2,000 slots over a 40,000-image queue; the same planted bias the SSD test
+catches is caught here. A planted leak between images (a pass fed at another image's frontier, a refilled slot
+that keeps the previous image's prompt) changes the sampled tokens an image gets alone.
+"""
+
+import pytest
+import torch
+from conftest import random_ssd_heads
+from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
+from tiny_adapters import ADAPTERS
+
+from backbones.base import ARImageBackbone, Condition
+from decode.ar import generate_ar
+from decode.sampling import SamplingConfig
+from decode.ssd_ragged import RaggedSSDConfig, generate_ssd_ragged
+
+QUEUE = Condition(class_ids=torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
+
+
+def _ragged(backbone, heads, condition, sampling, **settings):
+    return generate_ssd_ragged(
+        backbone, heads, condition, sampling, torch.Generator().manual_seed(0), RaggedSSDConfig(**settings)
+    )
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize(
+    "slots,window,grid", [(1, 0, True), (4, 0, True), (4, 3, False), (10, 0, False), (16, 2, True)]
+)
+def test_greedy_ragged_ssd_equals_greedy_ar(tiny_backbone, slots, window, grid, cfg_scale):
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=grid)
+    result = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=slots, window=window)
+    assert torch.equal(result.tokens, generate_ar(tiny_backbone, QUEUE, sampling).tokens)
+    assert 0 < result.accepted_tokens < result.drafted_tokens  # drafts pass and fail: the rules run
+
+
+@pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("family", sorted(ADAPTERS))
+def test_greedy_ragged_ssd_equals_greedy_ar_on_every_adapter(family):
+    make_backbone, make_condition, cfg_scale = ADAPTERS[family]
+    backbone = make_backbone()
+    condition = make_condition()
+    if condition.class_ids is not None:
+        queue = Condition(class_ids=torch.tensor([1, 8, 3, 5]))
+    else:
+        queue = Condition(token_ids=condition.token_ids[[0, 1, 1, 0]])
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    heads = random_ssd_heads(backbone.hidden_size, seed=0, std=0.3, grid=True)
+    result = _ragged(backbone, heads, queue, sampling, slots=2)  # a 4-image queue over 2 slots: refills
+    assert torch.equal(result.tokens, generate_ar(backbone, queue, sampling).tokens)
+
+
+def test_an_image_gets_the_same_tokens_whatever_its_batch(tiny_backbone):
+    """Sampled, same seed: one slot, five slots (refilled in another order) and all ten at once give every
+    image the same tokens, bit for bit (the digits backbone's batched float32 passes agree to far below the
+    gaps between a uniform and the thresholds it is tested against)."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=2)
+    for slots in (5, 10):
+        assert torch.equal(_ragged(tiny_backbone, heads, QUEUE, sampling, slots=slots, window=2).tokens, alone.tokens)
+
+
+def _leak_feed_from_the_next_image(monkeypatch):
+    """Every image's run is fed at the next image's frontier."""
+    original = ARImageBackbone.step_ragged
+
+    def leaky(self, state, tokens, starts):
+        return original(self, state, tokens, starts.roll(1))
+
+    monkeypatch.setattr(ARImageBackbone, "step_ragged", leaky)
+
+
+def _leak_keep_the_previous_prompt(monkeypatch):
+    """A refilled slot keeps the previous image's prompt (its class) in the cache."""
+    monkeypatch.setattr(ARImageBackbone, "replace_images", lambda self, state, images, fresh: None)
+
+
+@pytest.mark.parametrize("leak", [_leak_feed_from_the_next_image, _leak_keep_the_previous_prompt])
+def test_a_planted_leak_between_images_is_caught(tiny_backbone, leak, monkeypatch):
+    """Sampled tokens are sensitive to any change of an image's target (a uniform meets another threshold):
+    with the leak, images in a batch of four no longer get the tokens they get alone."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=2).tokens
+    assert torch.equal(_ragged(tiny_backbone, heads, QUEUE, sampling, slots=4, window=2).tokens, alone)
+    leak(monkeypatch)
+    leaky = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=4, window=2).tokens
+    assert not torch.equal(leaky, alone), "the planted leak went unnoticed"
+
+
+CLASS_ID = 4
+
+
+@pytest.fixture(scope="module")
+def backbone3():
+    return enumerable_backbone(grid_size=3, levels=2)
+
+
+def _sample(backbone, window: int):
+    """40,000 images of one class over 2,000 slots: frontiers at every row and column, slots refilled."""
+    heads = random_ssd_heads(16, seed=1, grid=True)
+    condition = Condition(class_ids=torch.full((40_000,), CLASS_ID))
+    return generate_ssd_ragged(
+        backbone,
+        heads,
+        condition,
+        SamplingConfig(cfg_scale=2.0),
+        torch.Generator().manual_seed(0),
+        RaggedSSDConfig(slots=2_000, window=window, grid_steps=0),
+    )
+
+
+@pytest.mark.parametrize("window", [0, 1])
+def test_sampled_ragged_ssd_has_the_backbone_distribution(backbone3, window):
+    truth = image_distribution(backbone3, CLASS_ID, SamplingConfig(cfg_scale=2.0))
+    result = _sample(backbone3, window)
+    assert 0.2 < result.accepted_tokens / result.drafted_tokens < 0.95
+    assert_sampled_from(result.tokens.flatten(1).tolist(), truth)
+
+
+def test_the_ragged_distribution_test_catches_a_planted_bias(backbone3, monkeypatch):
+    """After a rejection the token is drawn from p instead of the residual norm(max(0, p - q))."""
+    monkeypatch.setattr("decode.ssd_ragged.residual_distribution", lambda p, q: p)
+    result = _sample(backbone3, window=0)
+    truth = image_distribution(backbone3, CLASS_ID, SamplingConfig(cfg_scale=2.0))
+    pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), truth)
+    assert pvalue < 1e-6, f"the planted bias went unnoticed (p = {pvalue:.2e})"
+
+
+def test_ragged_ssd_refuses_bad_settings():
+    with pytest.raises(ValueError, match="window"):
+        RaggedSSDConfig(window=-1)
+    with pytest.raises(ValueError, match="mode"):
+        RaggedSSDConfig(mode="autocorrect")
