@@ -67,3 +67,40 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
         figure.savefig(tmp, format="png", dpi=110)
     plt.close(figure)
     return True
+
+
+def plot_throughput(reports: list[dict], path: str | Path) -> bool:
+    """Images per second against batch size, one line per method, from decode reports at several batch sizes
+    (each report's `metrics.json`); the baseline dashed. False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[decode] no throughput plot: pip install matplotlib (or the project's [plots] extra)")
+        return False
+    reports = sorted(reports, key=lambda report: report["batch_size"])
+    names = [name for name in reports[0]["methods"] if all(name in r["methods"] for r in reports)]
+    figure, axis = plt.subplots(figsize=(6.0, 4.2))
+    batches = [report["batch_size"] for report in reports]
+    for name in names:
+        rates = [1.0 / report["methods"][name]["seconds_per_image"] for report in reports]
+        axis.plot(batches, rates, "--" if name == "ar" else "-", marker="o", label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(batches, [str(b) for b in batches])
+    axis.set_xlabel("batch size (slots)")
+    axis.set_ylabel("images per second")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    first = reports[0]
+    figure.suptitle(
+        f"{first['num_images']} images x {len(first['seeds'])} seeds, CFG {first['sampling']['cfg_scale']}, "
+        f"{first['device']} ({first['torch_threads']} threads)",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110)
+    plt.close(figure)
+    return True

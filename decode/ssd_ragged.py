@@ -25,11 +25,12 @@ rows, whose slots before ``cached_b`` hold exactly its committed tokens (a slot 
 is; the mask of a ragged pass hides every later slot).
 
 Randomness: each image's uniforms are keyed by its own seed and the event (grid position, how many drafts that
-position has had, what the uniform is for; `decode.sampling.keyed_uniforms`), not drawn in batch order. So at a
-fixed window an image gets the same tokens whatever images share its batch, how many slots there are, and
-when it enters (bit-identical where the backbone's batched pass is: float32 results can depend on the batch's
-shape by rounding, which flips a token only at a near-tie). The image seeds are drawn from the generator, one
-per condition, in the queue's order.
+position has had, what the uniform is for; `decode.sampling.keyed_uniforms`), not drawn in batch order. Drafts
+change only after a correction (a window that stops a pass early leaves the drafts after it as they are, and
+the next pass tests them with the same uniforms), so an image gets the same tokens whatever images share its
+batch, how many slots there are, when it enters and which windows the passes use (bit-identical where the
+backbone's batched pass is: float32 results can depend on the batch's shape by rounding, which flips a token
+only at a near-tie). The image seeds are drawn from the generator, one per condition, in the queue's order.
 
 Cost-aware windows (``window: auto``): before each pass the generator picks how many open positions per image
 the pass verifies, maximising the expected committed tokens per second: each image's expected tokens
@@ -86,9 +87,9 @@ class RaggedSSDConfig:
             )
 
     def drafting(self) -> SSDDecodeConfig:
-        """The drafter's settings (decode/ssd_drafting.py reads them from an SSDDecodeConfig)."""
-        window = 0 if self.window == "auto" else self.window
-        return SSDDecodeConfig(grid_steps=self.grid_steps, horizontal_steps=self.horizontal_steps, window=window)
+        """The drafter's settings (decode/ssd_drafting.py reads them from an SSDDecodeConfig). Its re-drafts do
+        not stop at the window, so the drafts, and with them every token, do not depend on the window."""
+        return SSDDecodeConfig(grid_steps=self.grid_steps, horizontal_steps=self.horizontal_steps)
 
 
 class _Slots:

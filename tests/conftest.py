@@ -26,6 +26,7 @@ COMPARISON_METHODS = [
     "ssd_exact",
     "ssd_autocorrect",
     "ssd_tree",
+    "ssd_ragged",
     "mulo",
     "mulo_exact",
     "sjd",

@@ -91,6 +91,11 @@ TREE_CASES = [
         {"nodes": 16, "depth": 4, "top_k": 3, "draws": "sampled", "confidence": "calibrated"},
     ),
 ]
+# Ragged SSD (decode/ssd_ragged.py with the grid heads) at fixed windows ("auto" reads the machine's clock)
+RAGGED_CASES = [
+    ("ssd_ragged", "decode.ssd_ragged", {"window": 0}),
+    ("ssd_ragged_w2_slots2", "decode.ssd_ragged", {"window": 2, "slots": 2}),
+]
 CSPD_CASES = [
     ("cspd", {}),
     ("cspd_relaxed", {"tau": 42.0, "reference_correction": True}),
@@ -259,10 +264,10 @@ def compute_pins() -> dict:
             ),
             ssd_backbone,
         )
-    for name, module_name, settings in TREE_CASES:
+    for name, module_name, settings in TREE_CASES + RAGGED_CASES:
         method = importlib.import_module(module_name).METHOD
         config = method.settings(**settings)
-        artefact = grid_heads if module_name == "decode.ssd_tree" else _eagle_head(ssd_backbone)
+        artefact = grid_heads if module_name in ("decode.ssd_tree", "decode.ssd_ragged") else _eagle_head(ssd_backbone)
         cases[name] = (
             lambda b, c, s, g, method=method, artefact=artefact, config=config: method.generate(
                 b, artefact, c, s, g, config

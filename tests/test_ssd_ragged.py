@@ -56,15 +56,18 @@ def test_greedy_ragged_ssd_equals_greedy_ar_on_every_adapter(family):
     assert torch.equal(result.tokens, generate_ar(backbone, queue, sampling).tokens)
 
 
-def test_an_image_gets_the_same_tokens_whatever_its_batch(tiny_backbone):
-    """Sampled, same seed: one slot, five slots (refilled in another order) and all ten at once give every
-    image the same tokens, bit for bit (the digits backbone's batched float32 passes agree to far below the
-    gaps between a uniform and the thresholds it is tested against)."""
+@pytest.mark.parametrize("grid", [True, False], ids=["grid-heads", "horizontal-heads"])
+def test_an_image_gets_the_same_tokens_whatever_its_batch_and_window(tiny_backbone, grid):
+    """Sampled, same seed: one slot to the row's end, five slots (refilled in another order) with a window of 1,
+    all ten at once with a window of 2 and with cost-aware windows give every image the same tokens, bit for
+    bit (drafts change only after corrections, each test's uniform is keyed by its image and draft; the digits
+    backbone's batched float32 passes agree to far below the gaps between a uniform and its threshold)."""
     sampling = SamplingConfig(cfg_scale=3.0)
-    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
-    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=2)
-    for slots in (5, 10):
-        assert torch.equal(_ragged(tiny_backbone, heads, QUEUE, sampling, slots=slots, window=2).tokens, alone.tokens)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=grid)
+    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=0)
+    for slots, window in ((5, 1), (10, 2), (10, "auto")):
+        batched = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=slots, window=window)
+        assert torch.equal(batched.tokens, alone.tokens), (slots, window)
 
 
 def _leak_feed_from_the_next_image(monkeypatch):
