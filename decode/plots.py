@@ -57,11 +57,13 @@ def plot_speed_quality(report: dict, path: str | Path) -> bool:
         axis.set_xlabel("wall-clock speedup vs KV-cached AR (log)")
         axis.set_ylabel(METRIC_LABELS[metric])
         axis.grid(alpha=0.3)
-    figure.suptitle(
-        f"batch {report['batch_size']}, {report['num_images']} images, "
-        f"CFG {report['sampling']['cfg_scale']}, {report['device']}",
-        fontsize=9,
-    )
+    title = f"batch {report['batch_size']}, {report['num_images']} images, CFG {report['sampling']['cfg_scale']}"
+    return _save(plt, figure, f"{title}, {report['device']}", path)
+
+
+def _save(plt, figure, title: str, path: str | Path) -> bool:
+    """Title, lay out and write the figure atomically as a PNG; close it."""
+    figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png", dpi=110)
@@ -94,13 +96,8 @@ def plot_throughput(reports: list[dict], path: str | Path) -> bool:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     first = reports[0]
-    figure.suptitle(
+    title = (
         f"{first['num_images']} images x {len(first['seeds'])} seeds, CFG {first['sampling']['cfg_scale']}, "
-        f"{first['device']} ({first['torch_threads']} threads)",
-        fontsize=9,
+        f"{first['device']} ({first['torch_threads']} threads)"
     )
-    figure.tight_layout()
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=110)
-    plt.close(figure)
-    return True
+    return _save(plt, figure, title, path)
