@@ -69,6 +69,13 @@ def summary_table(report: dict) -> str:
     tolerance = report.get("baseline_tolerance")
     if tolerance and metrics and "ar" in methods:
         lines.append(tolerance_line(methods, tolerance, metrics, report["num_images"] * len(seeds)))
+    windows = [
+        f"{name} {f['counts']['window_sum'] / f['counts']['window_passes']:.1f}"
+        for name, f in methods.items()
+        if (f.get("counts") or {}).get("window_passes")
+    ]
+    if windows:  # the pass lengths a cost-aware method chose (decode/ssd_ragged.py)
+        lines.append(f"mean open positions verified per image and pass: {', '.join(windows)}")
     return "\n".join(lines)
 
 

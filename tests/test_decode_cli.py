@@ -327,6 +327,8 @@ def test_continuous_turns_give_a_queue_to_ssd_ragged_and_count_its_passes_per_ba
         compose_config([*common, "decode.methods=[ar,ssd_ragged]", f"decode.out={tmp_path / 'out'}"], tmp_path)
     )
     assert report["queue_batches"] == 2
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "mean open positions verified per image and pass: ssd_ragged 2.0" in summary
     assert report["methods"]["ar"]["forward_passes_per_image"] == backbone.geometry.num_tokens
     tokens = np.load(tmp_path / "out" / "tokens_ssd_ragged.npy")
     heads = load_heads(tmp_path / "heads", backbone, kind="ssd")
