@@ -169,6 +169,8 @@ def generate_ssd_ragged(
                 _start_images(run, drafter, refill, images, seeds, fresh_first)
             run.image[done[len(refill) :]] = -1
         if chooser is not None:
+            if device.type == "cuda":  # the round's kernels, not just their launches
+                torch.cuda.synchronize(device)
             chooser.observe(time.perf_counter() - began)
     return GenerationResult(
         output.view(count, rows, cols),
