@@ -78,3 +78,12 @@ def test_replace_images_starts_an_image_over_inside_the_batch(tiny_backbone):
     assert n > 6
     with pytest.raises(ValueError, match="one start per image"):
         backbone.step_ragged(state, tokens, torch.zeros(3, dtype=torch.long))
+
+
+def test_replace_images_refuses_another_prompt_length_and_says_how_to_queue():
+    make_backbone, make_condition, _ = ADAPTERS["janus"]
+    backbone = make_backbone()
+    state, _ = backbone.prefill(make_condition(), guided=True)
+    longer, _ = backbone.prefill(Condition(token_ids=torch.tensor([[1, 10, 11, 12, 13, 14, 2]])), guided=True)
+    with pytest.raises(ValueError, match="group the queue by prompt length"):
+        backbone.replace_images(state, torch.tensor([0]), longer)

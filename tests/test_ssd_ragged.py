@@ -120,6 +120,7 @@ def _sample(backbone, window: int):
     )
 
 
+@pytest.mark.slow  # the planted-bias check below keeps the test's power in the fast tier
 @pytest.mark.parametrize("window", [0, 1])
 def test_sampled_ragged_ssd_has_the_backbone_distribution(backbone3, window):
     truth = image_distribution(backbone3, CLASS_ID, SamplingConfig(cfg_scale=2.0))
