@@ -143,3 +143,17 @@ def test_ragged_ssd_refuses_bad_settings():
         RaggedSSDConfig(window=-1)
     with pytest.raises(ValueError, match="mode"):
         RaggedSSDConfig(mode="autocorrect")
+
+
+def test_prefix_mode_spends_at_most_rounds_plus_one_passes_per_row_and_is_exact_with_enough(tiny_backbone):
+    """mode prefix (ssd_autocorrect's rule): a row costs at most rounds + 1 passes per image, its unverified
+    rest is kept (greedy tokens then leave AR's), and a budget no row exhausts gives greedy AR's tokens."""
+    sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    ar = generate_ar(tiny_backbone, QUEUE, sampling).tokens
+    rows = tiny_backbone.geometry.rows
+    one_pass = _ragged(tiny_backbone, heads, QUEUE, sampling, mode="prefix", rounds=0, slots=1)
+    assert one_pass.forward_passes <= len(QUEUE.class_ids) * (1 + rows)  # a prefill and a pass per row
+    assert not torch.equal(one_pass.tokens, ar)
+    generous = _ragged(tiny_backbone, heads, QUEUE, sampling, mode="prefix", rounds=100, slots=3)
+    assert torch.equal(generous.tokens, ar)
