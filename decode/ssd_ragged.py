@@ -157,8 +157,8 @@ def generate_ssd_ragged(
         counts["passes"] += 1
         counts["window_sum"] += window
         counts["window_passes"] += 1
-        _test_and_correct(run, drafter, out, lengths, config, counts)
-        done = _finish_rows(run, drafter, output, rows)
+        deferred = _test_and_correct(run, drafter, out, lengths, config, counts)
+        done = _finish_rows(run, drafter, output, rows, deferred)
         if len(done):
             refill = done[: len(queue)]
             if len(refill):
@@ -261,9 +261,13 @@ def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, window: int, col
     return backbone.step_ragged(state, tokens, starts), lengths
 
 
-def _test_and_correct(run: _Slots, drafter: SSDRowDrafter, out, lengths, config: RaggedSSDConfig, counts) -> None:
+def _test_and_correct(
+    run: _Slots, drafter: SSDRowDrafter, out, lengths, config: RaggedSSDConfig, counts
+) -> torch.Tensor | None:
     """Store each image's new states, test its open drafts, draw its first rejection from the residual and
-    re-draft the rest of its row from there; budget-spent rows (prefix mode) keep their drafts."""
+    re-draft the rest of its row from there; budget-spent rows (prefix mode) keep their drafts. In exact mode
+    the re-drafts of rows below the first are returned instead (slots; from their last committed position), to
+    run in one call with the rows that start in this round (`_finish_rows`)."""
     cols = drafter.cols
     batch = run.image.shape[0]
     arange = torch.arange(cols + 1, device=out.device)
@@ -298,6 +302,7 @@ def _test_and_correct(run: _Slots, drafter: SSDRowDrafter, out, lengths, config:
     fixed = torch.nonzero(rejected)[:, 0]
     if len(fixed) == 0:
         return _keep_unverified(run, drafter, config) if config.mode == "prefix" else None
+    deferred = None
     position = rejected_at[fixed]
     residual = residual_distribution(p[fixed, position], drafts.q[fixed, position])
     residual_uniform = _uniforms(run, fixed, position[:, None], run.attempts[fixed, position][:, None], _RESIDUAL)
@@ -309,12 +314,16 @@ def _test_and_correct(run: _Slots, drafter: SSDRowDrafter, out, lengths, config:
     more = fixed[position < cols - 1]
     if len(more):
         first_row = run.row[more] == 0
+        if config.mode == "exact":  # later rows join the re-drafts of the rows that start this round
+            deferred, more = more[~first_row], more[first_row]
+            first_row = first_row[first_row]
         for group, is_first in ((more[first_row], True), (more[~first_row], False)):
             if len(group):
                 _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first)
         run.grid[more[:, None], (run.row[more] * cols)[:, None] + arange[None, :cols]] = drafts.tokens[more]
     if config.mode == "prefix":
         _keep_unverified(run, drafter, config)
+    return deferred
 
 
 def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, config: RaggedSSDConfig) -> None:
@@ -324,18 +333,22 @@ def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, config: RaggedSSDConfi
         run.committed[spent] = drafter.cols
 
 
-def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int) -> torch.Tensor:
-    """Images whose row is final write it out and start their next row; returns the slots whose image is done."""
+def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferred=None) -> torch.Tensor:
+    """Images whose row is final write it out and start their next row; returns the slots whose image is done.
+    `deferred`: slots whose corrections in rows below the first still need their re-draft (one call with the
+    rows that start here: on a CPU each head call costs its kernels' launches, whatever its batch)."""
     cols = drafter.cols
     finished = torch.nonzero(run.active & (run.committed >= cols))[:, 0]
-    if len(finished) == 0:
-        return finished
     arange = torch.arange(cols, device=finished.device)
+    if len(finished) == 0:
+        _redraft_and_write(run, drafter, deferred, None)
+        return finished
     grid_columns = (run.row[finished] * cols)[:, None] + arange[None]
     output[run.image[finished][:, None], grid_columns] = run.drafts.tokens[finished]
     last = run.row[finished] == rows - 1
     done, going = finished[last], finished[~last]
     if len(going) == 0:
+        _redraft_and_write(run, drafter, deferred, None)
         return done
     twin_going = drafter.twin(going)
     # The finished row becomes the row above: its states are exact (each position was tested with its state).
@@ -373,9 +386,28 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int) -> torc
         run.states[twin_known, 0] = next_state[next_known.repeat(drafter.twins)]
         run.state_known[known, 0] = True
         _draw_first(run, drafter, known, run.states[twin_known, 0])
-        _redraft(run, drafter, known, torch.zeros_like(known), first_row=False)
     run.grid[going[:, None], (run.row[going] * cols)[:, None] + arange[None]] = run.drafts.tokens[going]
+    _redraft_and_write(run, drafter, deferred, known if len(known) else None)
     return done
+
+
+def _redraft_and_write(run: _Slots, drafter: SSDRowDrafter, corrected, starting) -> None:
+    """One re-draft call for rows below the first: `corrected` slots from their last committed position,
+    `starting` slots from their row's first token; their rows written into the slots' grids."""
+    slots, positions = [], []
+    if corrected is not None and len(corrected):
+        slots.append(corrected)
+        positions.append(run.committed[corrected] - 1)
+    if starting is not None and len(starting):
+        slots.append(starting)
+        positions.append(torch.zeros_like(starting))
+    if not slots:
+        return
+    slots, positions = torch.cat(slots), torch.cat(positions)
+    _redraft(run, drafter, slots, positions, first_row=False)
+    cols = drafter.cols
+    columns = (run.row[slots] * cols)[:, None] + torch.arange(cols, device=slots.device)[None]
+    run.grid[slots[:, None], columns] = run.drafts.tokens[slots]
 
 
 class _WindowChooser:
