@@ -102,6 +102,16 @@ class Conditions:
         return Condition(prompts=[self.prompts[i] for i in indices.tolist()])
 
 
+def condition_rows(condition: Condition, indices: list[int]) -> Condition:
+    """The condition of these rows (class ids, prompt ids or prompts), in this order: the images a
+    continuous-batching generator starts next."""
+    if condition.class_ids is not None:
+        return Condition(class_ids=condition.class_ids[indices])
+    if condition.token_ids is not None:
+        return Condition(token_ids=condition.token_ids[indices])
+    return Condition(prompts=[condition.prompts[i] for i in indices])
+
+
 def is_text_to_image(backbone: ARImageBackbone) -> bool:
     """Text-to-image adapters (Emu3, Janus-Pro, Lumina-mGPT, Tar) turn prompts into their own token ids."""
     return hasattr(backbone, "prompt_token_ids")

@@ -115,3 +115,8 @@ def keyed_uniforms(seeds: torch.Tensor, *keys: torch.Tensor | int) -> torch.Tens
         key = torch.as_tensor(key, dtype=torch.long, device=h.device)
         h = _mix32(h ^ (_mix32(key) + 0x9E3779B9 + (h << 6) + (h >> 2)))
     return (h >> 8).float() * (1.0 / (1 << 24))
+
+
+def image_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """One seed per image of a queue, drawn from `generator` in the queue's order (for `keyed_uniforms`)."""
+    return torch.randint(0, 2**31 - 1, (count,), generator=generator, device=generator.device if generator else None)

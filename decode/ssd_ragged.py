@@ -49,10 +49,11 @@ from typing import Literal
 import torch
 
 from backbones.base import ARImageBackbone, Condition
+from decode.conditions import condition_rows
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
-from decode.sampling import SamplingConfig, keyed_uniforms, sample_with
+from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with
 from decode.ssd import SSDDecodeConfig
 from decode.ssd_drafting import DraftedRow, SSDRowDrafter
 from heads.ssd import SSDHeads
@@ -140,8 +141,8 @@ def generate_ssd_ragged(
     count = condition.batch_size
     slots = min(config.slots or count, count)
     rows, cols = backbone.geometry.rows, backbone.geometry.cols
-    seeds = torch.randint(0, 2**31 - 1, (count,), generator=generator, device=generator.device if generator else None)
-    state, first = backbone.prefill(_conditions_at(condition, list(range(slots))), sampling.guided)
+    seeds = image_seeds(count, generator)
+    state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
     device = first.device
     drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config.drafting(), device)
     run = _Slots(backbone, drafter, slots, device, first.dtype)
@@ -163,7 +164,7 @@ def generate_ssd_ragged(
             refill = done[: len(queue)]
             if len(refill):
                 images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=device)
-                fresh, fresh_first = backbone.prefill(_conditions_at(condition, images.tolist()), sampling.guided)
+                fresh, fresh_first = backbone.prefill(condition_rows(condition, images.tolist()), sampling.guided)
                 backbone.replace_images(state, refill, fresh)
                 counts["passes"] += 1
                 _start_images(run, drafter, refill, images, seeds, fresh_first)
@@ -179,15 +180,6 @@ def generate_ssd_ragged(
         accepted_tokens=counts["accepted"],
         extras={"window_sum": counts["window_sum"], "window_passes": counts["window_passes"]},
     )
-
-
-def _conditions_at(condition: Condition, indices: list[int]) -> Condition:
-    """The condition of these rows (class ids, prompt ids or prompts), in this order."""
-    if condition.class_ids is not None:
-        return Condition(class_ids=condition.class_ids[indices])
-    if condition.token_ids is not None:
-        return Condition(token_ids=condition.token_ids[indices])
-    return Condition(prompts=[condition.prompts[i] for i in indices])
 
 
 def _uniforms(run: _Slots, slots: torch.Tensor, columns: torch.Tensor, attempts: torch.Tensor, kind: int):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import random_ssd_heads
 from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
-from tiny_adapters import ADAPTERS
+from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import ARImageBackbone, Condition
 from decode.ar import generate_ar
@@ -45,11 +45,7 @@ def test_greedy_ragged_ssd_equals_greedy_ar(tiny_backbone, slots, window, grid, 
 def test_greedy_ragged_ssd_equals_greedy_ar_on_every_adapter(family):
     make_backbone, make_condition, cfg_scale = ADAPTERS[family]
     backbone = make_backbone()
-    condition = make_condition()
-    if condition.class_ids is not None:
-        queue = Condition(class_ids=torch.tensor([1, 8, 3, 5]))
-    else:
-        queue = Condition(token_ids=condition.token_ids[[0, 1, 1, 0]])
+    queue = queue_of_four(make_condition())
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     heads = random_ssd_heads(backbone.hidden_size, seed=0, std=0.3, grid=True)
     result = _ragged(backbone, heads, queue, sampling, slots=2)  # a 4-image queue over 2 slots: refills

@@ -48,3 +48,10 @@ ADAPTERS = {
         3.0,
     ),
 }
+
+
+def queue_of_four(condition: Condition) -> Condition:
+    """A family's two conditions as a queue of four images (class ids 1, 8, 3, 5; prompts 0, 1, 1, 0)."""
+    if condition.class_ids is not None:
+        return Condition(class_ids=torch.tensor([1, 8, 3, 5]))
+    return Condition(token_ids=condition.token_ids[[0, 1, 1, 0]])

@@ -1,0 +1,211 @@
+"""EAGLE with ragged frontiers and continuous batching: every image drafts and verifies its own chain from its
+own frontier, in one shared head call per chain step and one shared backbone pass per round.
+
+decode/eagle.py batches like SJD: a pass starts at the slowest image's last committed token and an image ahead
+re-feeds its committed tokens, so at batch 16 every image pays for the slowest one's position. Here, per round:
+
+1. the head catches up, per image, on the positions whose backbone states became final (their true states and
+   tokens, from the image's own head-cache frontier: a ragged call over the head's cache rows);
+2. it drafts a chain of ``depth`` tokens from each image's frontier (one ragged head call per step);
+3. one ragged backbone pass (`ARImageBackbone.step_ragged`) feeds each image its last committed token and its
+   chain; left to right, accept x with ``min(1, p(x) / q(x))``, at the first rejection draw from
+   ``norm(max(0, p - q))``, and if every draft passes the pass's last state gives one more token;
+4. an image that is done leaves its slot to the next condition of the queue.
+
+Exact for the reasons decode/eagle.py is: each image's tokens come from speculative sampling of its own drafts
+against its own target states (the states `step` would give it alone). Uniforms are keyed per image and event
+(`decode.sampling.keyed_uniforms`), so an image's tokens do not depend on the images beside it or on the
+number of slots.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from backbones.base import ARImageBackbone, Condition
+from backbones.hf_loading import positional_arguments
+from backbones.kv_cache import reserve, writing_at
+from decode.conditions import condition_rows
+from decode.method import MethodSpec
+from decode.result import GenerationResult
+from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
+from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with, token_distribution
+from heads.eagle import EagleHead
+
+_DRAFT, _TEST, _RESIDUAL, _TARGET = 0, 1, 2, 3  # what a keyed uniform is for
+
+
+@dataclass(frozen=True)
+class RaggedEagleConfig:
+    """How long a chain each image drafts per round, and how many images are decoded at once."""
+
+    depth: int = 6  # drafts per image and pass (decode/eagle.py's default)
+    slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
+
+    def __post_init__(self):
+        if self.depth < 1 or self.slots < 0:
+            raise ValueError(f"ragged EAGLE needs depth >= 1 and slots >= 0, got {self.depth} and {self.slots}")
+
+
+def _head_step(head: EagleHead, cache, states, embeddings, starts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A ragged call of the head: row r's inputs (states, embeddings) (rows, T, ...) at head-cache slots
+    ``starts[r] ..`` (the grid positions they stand for), each seeing its row's slots up to its own."""
+    width = states.shape[1]
+    reserve(cache, capacity + 64 * -(-width // 64))
+    slots = starts[:, None] + torch.arange(width, device=starts.device)[None]
+    attend = int(slots.max()) + 1
+    visible = torch.arange(attend, device=starts.device)[None, None, :] <= slots[:, :, None]
+    positional = positional_arguments(states.shape[0], slots, visible, slots.clamp(max=capacity - 1))
+    with writing_at(cache, slots, attend):
+        return head(states.to(head.fc.weight.dtype), embeddings.to(head.fc.weight.dtype), cache, **positional)
+
+
+@torch.inference_mode()
+def generate_eagle_ragged(
+    backbone: ARImageBackbone,
+    head: EagleHead,
+    condition: Condition,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None = None,
+    config: RaggedEagleConfig = RaggedEagleConfig(),
+) -> GenerationResult:
+    """Generate one image per condition by ragged EAGLE chains over ``config.slots`` slots (module docstring).
+
+    ``forward_passes`` counts every backbone pass (ragged passes and the prefills that start images).
+    """
+    count = condition.batch_size
+    slots = min(config.slots or count, count)
+    total = backbone.geometry.num_tokens
+    seeds = image_seeds(count, generator)
+    state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
+    device, twins = first.device, first.shape[0] // slots
+    score_draft = backbone.draft_scorer(state, sampling.cfg_scale)
+    cache = head.new_cache()
+    output = torch.zeros(count, total, dtype=torch.long, device=device)
+    tokens = torch.zeros(slots, total, dtype=torch.long, device=device)
+    true_states = first.new_zeros(first.shape[0], total + 1, first.shape[-1])  # [:, i] predicts token i
+    attempts = torch.zeros(slots, total + 1, dtype=torch.long, device=device)  # drafts each position had
+    image = torch.arange(slots, device=device)
+    seed = seeds[:slots].to(device)
+    committed = torch.zeros(slots, dtype=torch.long, device=device)
+    head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
+    queue = deque(range(slots, count))
+    counts = {"passes": 1, "drafted": 0, "accepted": 0}
+
+    def twin(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows + k * slots for k in range(twins)])
+
+    def start(rows: torch.Tensor, first_states: torch.Tensor) -> None:
+        true_states[twin(rows)] = 0
+        true_states[twin(rows), 0] = first_states[:, 0]
+        attempts[rows] = 0
+        head_cached[rows] = 0
+        p = token_distribution(backbone.scores(state, first_states, sampling.cfg_scale), sampling)[:, 0]
+        zero = torch.zeros_like(rows)
+        tokens[rows, 0] = sample_with(p, keyed_uniforms(seed[rows], zero, zero, _TARGET))
+        committed[rows] = 1
+
+    start(torch.arange(slots, device=device), first)
+    while bool((image >= 0).any()):
+        active = image >= 0
+        frontier = torch.where(active, committed, 1)  # an empty slot drafts at position 1 and is ignored
+        # 1. Catch-up: each image's positions [head_cached, frontier) with their true states and tokens.
+        width = int((frontier - head_cached).max())
+        positions = (head_cached[:, None] + torch.arange(width, device=device)).clamp(max=total - 1)
+        twin_positions = positions.repeat(twins, 1)
+        caught = _head_step(
+            head,
+            cache,
+            true_states.gather(1, twin_positions[..., None].expand(-1, -1, first.shape[-1])),
+            backbone.embed_image_tokens(tokens.gather(1, positions)).repeat(twins, 1, 1),
+            head_cached.repeat(twins),
+            total,
+        )
+        last = (frontier - 1 - head_cached).repeat(twins)
+        predicted = caught[torch.arange(caught.shape[0], device=device), last][:, None]  # predicts `frontier`
+        head_cached = frontier.clone()
+        # 2. The chain, every image from its own frontier.
+        depth = min(config.depth, total - int(frontier.min()))
+        chain = torch.zeros(slots, depth, dtype=torch.long, device=device)
+        q = torch.zeros(slots, depth, backbone.codebook_size, device=device)
+        rows = torch.arange(slots, device=device)
+        for j in range(depth):
+            position = (frontier + j).clamp(max=total)
+            q[:, j] = token_distribution(score_draft(predicted), sampling)[:, 0]
+            attempts[rows, position] += 1
+            uniform = keyed_uniforms(seed, position, attempts[rows, position], _DRAFT)
+            chain[:, j] = sample_with(q[:, j], uniform)
+            if j < depth - 1:
+                embedded = backbone.embed_image_tokens(chain[:, j : j + 1]).repeat(twins, 1, 1)
+                predicted = _head_step(head, cache, predicted, embedded, (frontier + j).repeat(twins), total)
+        # 3. One ragged pass: the last committed token and the chain.
+        feed = torch.cat([tokens.gather(1, (frontier - 1)[:, None]), chain], dim=1)
+        out = backbone.step_ragged(state, feed, frontier - 1)  # out[:, k] predicts frontier + k
+        counts["passes"] += 1
+        p = token_distribution(backbone.scores(state, out, sampling.cfg_scale), sampling)  # (B, depth + 1, V)
+        offsets = torch.arange(depth, device=device)
+        chain_positions = frontier[:, None] + offsets[None]
+        inside = (chain_positions < total) & active[:, None]
+        test_uniform = keyed_uniforms(
+            seed[:, None], chain_positions, attempts.gather(1, chain_positions.clamp(max=total)), _TEST
+        )
+        passed = accept_drafts(probability_of(p[:, :depth], chain), probability_of(q, chain), test_uniform)
+        rejected_at = first_true(inside & ~passed, depth)
+        kept = torch.minimum(rejected_at, inside.sum(1))  # drafts accepted
+        counts["drafted"] += int((inside & (offsets[None] <= rejected_at[:, None])).sum())
+        counts["accepted"] += int(kept.sum())
+        # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
+        at = kept.clamp(max=depth)
+        next_position = frontier + at
+        has_next = active & (next_position < total)
+        target = p[rows, at]
+        draft_q = q[rows, at.clamp(max=depth - 1)]
+        rejected = rejected_at < inside.sum(1)
+        residual = torch.where(rejected[:, None], residual_distribution(target, draft_q), target)
+        kind = torch.where(rejected, _RESIDUAL, _TARGET)
+        clamped = next_position.clamp(max=total)
+        next_uniform = keyed_uniforms(seed, clamped, attempts[rows, clamped], kind)
+        next_token = sample_with(residual, next_uniform)
+        # Commit the accepted drafts and the next token; keep the pass's states whose context is final.
+        new_committed = torch.where(has_next, next_position + 1, torch.where(active, next_position, committed))
+        write = (offsets[None] < kept[:, None]) & active[:, None]
+        tokens[rows[:, None].expand_as(chain)[write], chain_positions[write]] = chain[write]
+        tokens[rows[has_next], next_position[has_next]] = next_token[has_next]
+        state_positions = frontier[:, None] + torch.arange(depth + 1, device=device)[None]  # out[:, k]'s
+        final = (state_positions < new_committed[:, None]) & active[:, None]
+        twin_final, twin_positions = final.repeat(twins, 1), state_positions.repeat(twins, 1)
+        twin_rows = torch.arange(out.shape[0], device=device)[:, None].expand_as(twin_positions)
+        true_states[twin_rows[twin_final], twin_positions[twin_final]] = out[twin_final]
+        committed = new_committed
+        # 4. Images that are done: written out, their slots to the next of the queue.
+        done = torch.nonzero(active & (committed >= total))[:, 0]
+        if len(done):
+            output[image[done]] = tokens[done]
+            refill = done[: len(queue)]
+            if len(refill):
+                images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=device)
+                fresh, fresh_first = backbone.prefill(condition_rows(condition, images.tolist()), sampling.guided)
+                backbone.replace_images(state, refill, fresh)
+                counts["passes"] += 1
+                image[refill], seed[refill] = images, seeds[images.to(seeds.device)].to(device)
+                start(refill, fresh_first)
+            image[done[len(refill) :]] = -1
+            head_cached[done[len(refill) :]] = 0  # an empty slot catches up on position 0 only
+    return GenerationResult(
+        output.view(count, backbone.geometry.rows, backbone.geometry.cols),
+        forward_passes=counts["passes"],
+        drafted_tokens=counts["drafted"],
+        accepted_tokens=counts["accepted"],
+    )
+
+
+def _generate(backbone, head, condition, sampling, generator, settings: RaggedEagleConfig) -> GenerationResult:
+    return generate_eagle_ragged(backbone, head, condition, sampling, generator, settings)
+
+
+METHOD = MethodSpec(
+    generate=_generate, settings=RaggedEagleConfig, artefact="heads", artefact_kind="eagle", continuous=True
+)

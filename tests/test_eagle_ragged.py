@@ -1,0 +1,86 @@
+"""Ragged EAGLE with continuous batching (decode/eagle_ragged.py) is lossless and gives an image the same tokens
+whatever images share its batch.
+
+Greedy: equal to greedy AR with images finishing at different times and slots refilled (random heads), on the
+digits backbone and every adapter. Sampled: chi-square on the enumerated 3x3 grid with 2,000 slots over 40,000
+images, and a residual without the draft is caught.
+"""
+
+import pytest
+import torch
+from conftest import random_eagle_head
+from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
+from tiny_adapters import ADAPTERS, queue_of_four
+
+from backbones.base import Condition
+from decode.ar import generate_ar
+from decode.eagle_ragged import RaggedEagleConfig, generate_eagle_ragged
+from decode.sampling import SamplingConfig
+
+QUEUE = Condition(class_ids=torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
+
+
+def _ragged(backbone, head, condition, sampling, **settings):
+    return generate_eagle_ragged(
+        backbone, head, condition, sampling, torch.Generator().manual_seed(0), RaggedEagleConfig(**settings)
+    )
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+@pytest.mark.parametrize("slots,depth", [(1, 6), (4, 3), (10, 6), (3, 1)])
+def test_greedy_ragged_eagle_equals_greedy_ar(tiny_backbone, slots, depth, cfg_scale):
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    result = _ragged(tiny_backbone, random_eagle_head(tiny_backbone), QUEUE, sampling, slots=slots, depth=depth)
+    assert torch.equal(result.tokens, generate_ar(tiny_backbone, QUEUE, sampling).tokens)
+    assert 0 < result.accepted_tokens < result.drafted_tokens
+
+
+@pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("family", sorted(ADAPTERS))
+def test_greedy_ragged_eagle_equals_greedy_ar_on_every_adapter(family):
+    make_backbone, make_condition, cfg_scale = ADAPTERS[family]
+    backbone = make_backbone()
+    queue = queue_of_four(make_condition())
+    sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
+    result = _ragged(backbone, random_eagle_head(backbone), queue, sampling, slots=2, depth=5)
+    assert torch.equal(result.tokens, generate_ar(backbone, queue, sampling).tokens)
+
+
+def test_an_image_gets_the_same_eagle_tokens_whatever_its_batch(tiny_backbone):
+    sampling = SamplingConfig(cfg_scale=3.0)
+    head = random_eagle_head(tiny_backbone)
+    alone = _ragged(tiny_backbone, head, QUEUE, sampling, slots=1, depth=4)
+    for slots in (4, 10):
+        assert torch.equal(_ragged(tiny_backbone, head, QUEUE, sampling, slots=slots, depth=4).tokens, alone.tokens)
+
+
+CLASS_ID = 4
+
+
+def _sample(depth: int):
+    backbone = enumerable_backbone(grid_size=3, levels=2)
+    sampling = SamplingConfig(cfg_scale=2.0)
+    result = generate_eagle_ragged(
+        backbone,
+        random_eagle_head(backbone, std=0.5),
+        Condition(class_ids=torch.full((40_000,), CLASS_ID)),
+        sampling,
+        torch.Generator().manual_seed(0),
+        RaggedEagleConfig(depth=depth, slots=2_000),
+    )
+    return result, image_distribution(backbone, CLASS_ID, sampling)
+
+
+@pytest.mark.slow  # the planted-bias check below keeps the test's power in the fast tier
+@pytest.mark.parametrize("depth", [2, 5])
+def test_sampled_ragged_eagle_has_the_backbone_distribution(depth):
+    result, truth = _sample(depth)
+    assert 0.2 < result.accepted_tokens / result.drafted_tokens < 0.95
+    assert_sampled_from(result.tokens.flatten(1).tolist(), truth)
+
+
+def test_the_ragged_eagle_distribution_test_catches_a_residual_without_the_draft(monkeypatch):
+    monkeypatch.setattr("decode.eagle_ragged.residual_distribution", lambda p, q: p)
+    result, truth = _sample(3)
+    pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), truth)
+    assert pvalue < 1e-6, f"the planted bias went unnoticed (p = {pvalue:.2e})"
