@@ -33,6 +33,7 @@ COMPARISON_METHODS = [
     "gsd",
     "zipar",
     "eagle",
+    "eagle_ragged",
     "eagle_depth3",
     "eagle2",
     "lantern",
