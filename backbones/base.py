@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from backbones.kv_cache import keep_slots, preallocated_cache, reserve, writing_at
+from backbones.kv_cache import keep_slots, preallocated_cache, ragged_slots, reserve, writing_at
 
 
 @dataclass(frozen=True)
@@ -514,8 +514,8 @@ class ARImageBackbone(nn.Module, ABC):
         that token after feeding the image's first ``starts[b] + j`` tokens. The caller keeps, per image, how
         far the cache is final: slots from ``starts[b]`` on are overwritten by this pass, slots after its run
         keep stale entries that no later query sees unless re-fed. `state.num_image_tokens` and the cache's
-        own length are not maintained (mix no `step` or `rollback` with ragged passes); the cache grows by
-        ``T`` slots once so that a padded run near the image's end has room. Families with end-of-line tokens
+        own length are not maintained (mix no `step` or `rollback` with ragged passes); the cache grows past the
+        image (`kv_cache.ragged_slots`) so that a padded run near its end has room. Families with end-of-line tokens
         get them inside each image's run. Returns (rows, T, H), indexed like `tokens`.
         """
         batch, count = tokens.shape
@@ -533,23 +533,16 @@ class ARImageBackbone(nn.Module, ABC):
             width = max(run[0].shape[1] for run in runs)
             flat = tokens.new_zeros(batch, width)
             take = torch.zeros(batch, count, dtype=torch.long, device=device)
-            offsets = torch.zeros(batch, width, dtype=torch.long)
-            for b, ((row, row_take), start) in enumerate(zip(runs, starts_list)):
+            for b, (row, row_take) in enumerate(runs):
                 flat[b, : row.shape[1]] = row[0]
                 take[b] = row_take
-                offsets[b] = geometry.flat_length(start) + torch.arange(width)
-            flat_positions = offsets.to(device)
+            flat_starts = torch.tensor([geometry.flat_length(start) for start in starts_list], device=device)
         else:
-            flat, take, width = tokens, None, count
-            flat_positions = starts[:, None] + torch.arange(count, device=device)[None]
+            flat, take, width, flat_starts = tokens, None, count, starts
         capacity = self.cache_capacity(state.prefix_length)
-        # Room for a padded run near the image's end, grown in steps of 64 slots (each growth copies the cache).
-        reserve(state.cache, capacity + 64 * -(-width // 64))
-        slots = state.prefix_length + flat_positions  # (B, width): consecutive, so no two writes share a slot
-        # Attention reads the slots up to the furthest one fed, not the whole buffer (a pass early in the image
-        # costs what `step` costs there, not what the image's end would).
-        attend = int(slots.max()) + 1
-        visible = torch.arange(attend, device=device)[None, None, :] <= slots[:, :, None]  # (B, width, attend)
+        # Consecutive slots per image (no two writes share one); attention reads up to the furthest slot fed, not
+        # the whole buffer (a pass early in the image costs what `step` costs there, not what the end would).
+        slots, attend, visible = ragged_slots(state.cache, state.prefix_length + flat_starts, width, capacity)
         positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
         if state.guided:
             flat, slots, visible, positions = (torch.cat([x, x]) for x in (flat, slots, visible, positions))

@@ -127,6 +127,19 @@ def reserve(cache, capacity: int) -> int:
     return max(layer.capacity for layer in cache.layers)
 
 
+def ragged_slots(cache, first: torch.Tensor, width: int, capacity: int):
+    """The layout of a ragged pass (`ARImageBackbone.step_ragged`, ragged EAGLE's head calls): row r writes
+    `width` consecutive slots from ``first[r]`` (R,). Grows the buffers past `capacity` in steps of 64 slots
+    (each growth copies the cache) so that a padded run near the end has room; returns the slots (R, width),
+    how far attention reads (the furthest slot + 1) and the slots each query sees (R, width, attend): its
+    row's slots up to its own."""
+    reserve(cache, capacity + 64 * -(-width // 64))
+    slots = first[:, None] + torch.arange(width, device=first.device)[None]
+    attend = int(slots.max()) + 1
+    visible = torch.arange(attend, device=first.device)[None, None, :] <= slots[:, :, None]
+    return slots, attend, visible
+
+
 def keep_slots(cache, sources: torch.Tensor, start: int) -> None:
     """Row by row, move the keys and values at slots ``sources[r]`` (R, k) to slots ``start .. start + k - 1``,
     and end the cache there: a token tree's accepted path becomes the cache's continuation."""

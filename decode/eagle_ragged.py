@@ -27,7 +27,7 @@ import torch
 
 from backbones.base import ARImageBackbone, Condition
 from backbones.hf_loading import positional_arguments
-from backbones.kv_cache import reserve, writing_at
+from backbones.kv_cache import ragged_slots, writing_at
 from decode.conditions import condition_rows
 from decode.method import MethodSpec
 from decode.result import GenerationResult
@@ -53,11 +53,7 @@ class RaggedEagleConfig:
 def _head_step(head: EagleHead, cache, states, embeddings, starts: torch.Tensor, capacity: int) -> torch.Tensor:
     """A ragged call of the head: row r's inputs (states, embeddings) (rows, T, ...) at head-cache slots
     ``starts[r] ..`` (the grid positions they stand for), each seeing its row's slots up to its own."""
-    width = states.shape[1]
-    reserve(cache, capacity + 64 * -(-width // 64))
-    slots = starts[:, None] + torch.arange(width, device=starts.device)[None]
-    attend = int(slots.max()) + 1
-    visible = torch.arange(attend, device=starts.device)[None, None, :] <= slots[:, :, None]
+    slots, attend, visible = ragged_slots(cache, starts, states.shape[1], capacity)
     positional = positional_arguments(states.shape[0], slots, visible, slots.clamp(max=capacity - 1))
     with writing_at(cache, slots, attend):
         return head(states.to(head.fc.weight.dtype), embeddings.to(head.fc.weight.dtype), cache, **positional)

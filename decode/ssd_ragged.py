@@ -51,6 +51,7 @@ import torch
 from backbones.base import ARImageBackbone, Condition
 from decode.conditions import condition_rows
 from decode.method import MethodSpec
+from decode.pass_cost import median_seconds
 from decode.result import GenerationResult
 from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with
@@ -453,8 +454,6 @@ _MEASURED_PASS_SECONDS: dict[tuple, list[float]] = {}
 def _ragged_pass_seconds(backbone: ARImageBackbone, state, batch: int, lengths: list[int]) -> list[float]:
     """The measured seconds of a ragged pass of each length at this batch (median of 3 after a warm-up), fed
     mid-image and thrown away (the slots it writes lie past every image's final slots at start-up)."""
-    from decode.pass_cost import median_seconds
-
     device = next(backbone.parameters()).device
     middle = backbone.geometry.num_tokens // 2
     seconds = []
