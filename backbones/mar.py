@@ -28,7 +28,7 @@ that touches only the diffusion head:
   position's diffusion head;
 - the diffusion head (``models/diffloss.py``, ``SimpleMLPAdaLN``) is this
   project's `backbones.diffusion_head.DiffusionHead`: 1000-step cosine
-  schedule, 100 respaced sampling steps, learned-range variance, no clipping,
+  schedule, 100 respaced sampling steps, learned-range variance, no clipping (`MARConfig.clip_denoised`),
   no noise at the last step (`DiffusionHeadConfig.final_step_noise=False`).
 
 Released sizes (official ``mar_base/large/huge`` factories, and the diffusion
@@ -60,6 +60,7 @@ themselves, the official formula, at every width.)
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -73,12 +74,16 @@ from torch import nn
 from backbones.base import ImageGeometry
 from backbones.continuous import continuous_identity
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig, DiffusionSample
+from backbones.digits_continuous import images_to_patches, patches_to_images
 from backbones.hf_loading import load_safetensors_checkpoint, load_torch_checkpoint
 from backbones.mar_vae import MARKLVAE, load_kl16_vae, random_kl_vae
+from common.atomic_io import atomic_save_safetensors, atomic_write_text
 
 README = "https://github.com/LTH14/mar#installation"
 HF_REPO = "jadechoghari/mar"
 CHECKPOINT_FILE = "checkpoint-last.pth"
+# A MAR trained by this project (`MARBackbone.save_pretrained`): its MARConfig, its weights under the official names.
+SAVED_CONFIG_FILE, SAVED_WEIGHTS_FILE = "config.json", "model.safetensors"
 # The README's direct download links (Dropbox), one `checkpoint-last.pth` per size; LTH14/mar `util/download.py`
 # fetches the same files into pretrained_models/mar/mar_{size}/.
 _DROPBOX = "https://www.dropbox.com/scl/fi/"
@@ -112,6 +117,14 @@ class MARConfig:
     # True: the last step adds its std (sigma_0 ~ 1e-2) noise, so a token given its trajectory is Gaussian and
     # exact CSpD (decode/cspd_mar.py) is defined; a variant of MAR, not the released sampler.
     final_step_noise: bool = False
+    # > 0: every token is a patch of pixel_patch_size x pixel_patch_size grey pixels in [-1, 1] (the embedded digits
+    # MAR trained here, conf/experiment/backbone_mar_digits.yaml), so pixels need no VAE. 0: KL-16 VAE latents.
+    pixel_patch_size: int = 0
+    # True: each reverse step clips its predicted x_0 to [-1, 1] (tokens known to lie there: pixel patches). The
+    # official sampler does not (latents are unbounded); without it the embedded MAR's first reverse steps, at
+    # alpha_bar ~ 1e-8, amplify its noise-prediction error into tokens of size 1e3 (teacher-forced error 306
+    # against 0.13 with it, at step 1100 of its training).
+    clip_denoised: bool = False
     name: str = "mar-base"
 
     def __post_init__(self):
@@ -135,7 +148,7 @@ class MARConfig:
             training_steps=1000,
             sampling_steps=self.sampling_steps,
             final_step_noise=self.final_step_noise,
-            clip_denoised=False,
+            clip_denoised=self.clip_denoised,
             time_frequencies=self.time_frequencies,
         )
 
@@ -383,7 +396,9 @@ class MARBackbone(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.decoder_dim, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, c.seq_len, c.decoder_dim))
         self.diffusion = DiffusionHead(c.diffusion_config())
-        self.attach_vae(None)  # pixels need the KL-16 VAE, a separate checkpoint (load_mar_backbone's vae_path)
+        # Pixels: the tokens themselves when they are pixel patches, else the KL-16 VAE, a separate checkpoint
+        # (load_mar_backbone's vae_path).
+        object.__setattr__(self, "vae", PixelPatches(c.pixel_patch_size) if c.pixel_patch_size else None)
 
     def identity(self) -> dict:
         """What a run records and a drafter is checked against: name, sizes, geometry, a weights fingerprint."""
@@ -580,6 +595,7 @@ class MARBackbone(nn.Module):
         orders: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        steps: list[RevealStep] | None = None,
     ) -> torch.Tensor:
         """MAR's masked random-order generation (LTH14/mar ``MAR.sample_tokens``): tokens (B, seq_len, token_dim).
 
@@ -594,9 +610,12 @@ class MARBackbone(nn.Module):
         (``noise[:, i, 0]`` its x_T). Whichever is missing is drawn from `generator`. Since a token's noise
         is fixed by its position, not by the step that reveals it, two models given the same `noise` follow
         aligned trajectories (CSpD). Rows are independent of each other.
+
+        `steps` replaces the schedule's steps (`reveal_steps` of `num_iter`, `cfg_scale`, `cfg_schedule`)
+        with others that reveal every position once (decode/mar_grouped.py: several of them at a time).
         """
         batch, device = len(class_ids), self.z_proj.weight.device
-        steps = reveal_steps(self.seq_len, num_iter, cfg_scale, cfg_schedule)
+        steps = reveal_steps(self.seq_len, num_iter, cfg_scale, cfg_schedule) if steps is None else steps
         orders = self.check_orders(orders, batch, generator, device)
         noise = self.check_noise(noise, batch, generator, device)
         guided = cfg_scale != 1.0  # as the reference: guidance twins only when the scale is not exactly 1
@@ -664,13 +683,15 @@ class MARBackbone(nn.Module):
         The VAE is kept outside this module's parameters, so the weights fingerprint, the official state
         dict and ``.to()`` see MAR only; `tokens_to_pixels` runs it on the tokens' device.
         """
+        if self.config.pixel_patch_size:
+            raise ValueError(f"{self.name}'s tokens are pixel patches: it decodes pixels without a VAE")
         if vae is not None and vae.config.embed_dim != self.token_dim:
             raise ValueError(
                 f"the VAE has {vae.config.embed_dim} latent channels, {self.name}'s tokens have {self.token_dim}"
             )
         object.__setattr__(self, "vae", vae)
 
-    def _pixel_codec(self, device: torch.device) -> MARKLVAE:
+    def _pixel_codec(self, device: torch.device) -> MARKLVAE | PixelPatches:
         vae = self.vae
         if vae is None:
             raise NotImplementedError(
@@ -680,12 +701,50 @@ class MARBackbone(nn.Module):
 
     def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens (B, rows, cols, token_dim) -> images (B, 3, 16 rows, 16 cols) in [0, 1] through the KL-16 VAE
-        (`attach_vae`, ``backbone.vae_path``); NotImplementedError without one."""
+        (`attach_vae`, ``backbone.vae_path``); NotImplementedError without one. Pixel-patch tokens (the embedded
+        digits MAR): (B, 1, rows * p, cols * p)."""
         return self._pixel_codec(tokens.device).tokens_to_pixels(tokens)
 
     def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1] -> tokens (B, H / 16, W / 16, token_dim) (the VAE posterior's mean)."""
         return self._pixel_codec(images.device).pixels_to_tokens(images)
+
+    # ---- a MAR trained here ----------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write config.json (the `MARConfig`) and model.safetensors (the weights under their official LTH14/mar
+        names, as `official_state_dict`), each atomically, then read the weights back and compare them.
+
+        `load_mar_backbone(directory)` loads it through the same path as a released checkpoint's state dict.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {name: value.detach().cpu().contiguous() for name, value in self.official_state_dict().items()}
+        atomic_save_safetensors(state, directory / SAVED_WEIGHTS_FILE)
+        written = load_safetensors_checkpoint(directory / SAVED_WEIGHTS_FILE, "a MAR checkpoint", _RETRAIN)
+        if written.keys() != state.keys() or any(not torch.equal(written[k], v) for k, v in state.items()):
+            raise OSError(f"{directory / SAVED_WEIGHTS_FILE} does not read back as written; write it again")
+        atomic_write_text(directory / SAVED_CONFIG_FILE, json.dumps(self.config.to_dict(), indent=2) + "\n")
+        return directory
+
+
+@dataclass(frozen=True)
+class PixelPatches:
+    """The pixel codec of pixel-patch tokens (`MARConfig.pixel_patch_size`), in place of a VAE: a token is a
+    ``p x p`` patch of grey pixels in [-1, 1], as the embedded continuous digits backbone's."""
+
+    patch_size: int
+
+    def to(self, device: torch.device) -> PixelPatches:
+        return self  # (no weights)
+
+    def tokens_to_pixels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, rows, cols, p*p) -> (B, 1, rows*p, cols*p) in [0, 1]."""
+        return patches_to_images(tokens.float(), self.patch_size)
+
+    def pixels_to_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 1 or 3, H, W) in [0, 1] -> (B, H/p, W/p, p*p) in [-1, 1] (colour channels averaged)."""
+        return images_to_patches(images.float(), self.patch_size)
 
 
 def repeat_twin_blocks(rows: torch.Tensor, times: int, twins: int) -> torch.Tensor:
@@ -763,10 +822,16 @@ def load_mar_backbone(
     `final_step_noise` see `MARConfig`. `vae_path`: the KL-16 VAE (``kl16.ckpt`` or its directory), loaded in
     the same dtype, for images and image quality; without it runs report passes and speed only. Raises
     FileNotFoundError with the download links when a checkpoint is not there.
+
+    A directory holding config.json and model.safetensors is a MAR trained here (`MARBackbone.save_pretrained`,
+    e.g. checkpoints/mar-digits): its shape comes from config.json (`size` must be "auto"), its weights load
+    by their official names as a released state dict's do.
     """
+    path = Path(path)
+    if (path / SAVED_CONFIG_FILE).is_file():
+        return _load_saved_mar(path, size, device, dtype, num_iter, cfg_schedule, final_step_noise, vae_path)
     if size != "auto" and size not in MAR_SIZES:  # ("tiny" too: tests save official-layout tiny checkpoints)
         raise ValueError(f"unknown MAR size {size!r}; choose from auto, {', '.join(sorted(MAR_SIZES))}")
-    path = Path(path)
     if path.is_dir():
         names = [CHECKPOINT_FILE] + [f"mar-{s}.safetensors" for s in (MAR_SIZES if size == "auto" else [size])]
         candidates = [path / name for name in names]
@@ -782,6 +847,30 @@ def load_mar_backbone(
         raise ValueError(f"{path}: {error} (is it a MAR-{size[0].upper()} checkpoint?)") from error
     if vae_path is not None:  # read now, so that a missing VAE stops the run before any image is generated
         backbone.attach_vae(load_kl16_vae(vae_path, device=device, dtype=dtype, trust_pickle=trust_pickle))
+    return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+
+
+_RETRAIN = "or export it again (python -m train +experiment=backbone_mar_digits for the embedded MAR)"
+
+
+def _load_saved_mar(path, size, device, dtype, num_iter, cfg_schedule, final_step_noise, vae_path) -> MARBackbone:
+    """`load_mar_backbone` of a directory written by `MARBackbone.save_pretrained`."""
+    if size != "auto":
+        raise ValueError(f"{path} holds a MAR trained here, whose shape is its {SAVED_CONFIG_FILE}: pass size=auto")
+    weights = path / SAVED_WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{path} has {SAVED_CONFIG_FILE} but no {SAVED_WEIGHTS_FILE}: the export did not finish; export it again"
+        )
+    saved = json.loads((path / SAVED_CONFIG_FILE).read_text())
+    config = MARConfig(**{**saved, "final_step_noise": final_step_noise})
+    backbone = MARBackbone(config, num_iter, cfg_schedule)
+    try:
+        backbone.load_official_state_dict(load_safetensors_checkpoint(weights, "a MAR checkpoint", _RETRAIN))
+    except ValueError as error:
+        raise ValueError(f"{weights}: {error} (does {SAVED_CONFIG_FILE} belong to these weights?)") from error
+    if vae_path is not None:
+        backbone.attach_vae(load_kl16_vae(vae_path, device=device, dtype=dtype))
     return backbone.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
 
 
@@ -852,6 +941,7 @@ __all__ = [
     "MARBackbone",
     "MARConfig",
     "MAREncoding",
+    "PixelPatches",
     "RevealStep",
     "gather_positions",
     "infer_size",

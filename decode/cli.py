@@ -75,22 +75,36 @@ def sampling_from_config(cfg: DictConfig) -> SamplingConfig:
 
 
 def is_digits(backbone: ARImageBackbone) -> bool:
-    """An embedded digits backbone (discrete or continuous), scored by the digits classifier."""
+    """An embedded digits backbone (discrete, continuous, or the MAR over the digits' pixel patches), scored by the
+    digits classifier."""
     from backbones.digits import DigitsBackbone
-    from backbones.digits_continuous import ContinuousDigitsBackbone
 
-    return isinstance(backbone, (DigitsBackbone, ContinuousDigitsBackbone))
+    return isinstance(backbone, DigitsBackbone) or continuous_digits_size(backbone) is not None
+
+
+def continuous_digits_size(backbone) -> int | None:
+    """The image size of a backbone whose tokens are the digits' grey pixel patches (the continuous digits
+    backbone, the embedded MAR: `MARConfig.pixel_patch_size`); None for any other."""
+    from backbones.digits_continuous import ContinuousDigitsBackbone
+    from backbones.mar import MARBackbone
+
+    if isinstance(backbone, ContinuousDigitsBackbone):
+        return backbone.config.image_size
+    if isinstance(backbone, MARBackbone) and backbone.config.pixel_patch_size:
+        return backbone.config.grid_size * backbone.config.pixel_patch_size
+    return None
 
 
 def digits_image_grid(backbone) -> tuple[int, int]:
     """(image size, intensity levels) of the classifier that scores this digits backbone.
 
-    The continuous backbone's 24x24 images are scored by the 16-level classifier, its pixels rounded to those
-    levels (`DigitsQuality` sees what a 16-level backbone would draw), so its figures compare with the discrete
+    The continuous backbones' 24x24 images are scored by the 16-level classifier, their pixels rounded to those
+    levels (`DigitsQuality` sees what a 16-level backbone would draw), so their figures compare with the discrete
     backbone's.
     """
-    if getattr(backbone, "token_kind", "discrete") == "continuous":
-        return backbone.config.image_size, CONTINUOUS_SCORED_LEVELS
+    size = continuous_digits_size(backbone)
+    if size is not None:
+        return size, CONTINUOUS_SCORED_LEVELS
     return backbone.geometry.rows, backbone.codebook_size
 
 
@@ -244,7 +258,7 @@ def _report_header(cfg, backbone, sampling, settings: DecodeRunSettings, seeds, 
 def _scored_images(quality, backbone: ARImageBackbone, run: SeedRun) -> torch.Tensor:
     """A run's images as its scorer reads them (continuous digits: rounded to the classifier's levels)."""
     images = _decode_pixels(backbone, run.tokens)
-    if isinstance(quality, DigitsQuality) and getattr(backbone, "token_kind", "discrete") == "continuous":
+    if isinstance(quality, DigitsQuality) and continuous_digits_size(backbone) is not None:
         levels = CONTINUOUS_SCORED_LEVELS - 1
         images = torch.round(images.clamp(0, 1) * levels) / levels
     return images

@@ -50,17 +50,22 @@ class ProgressLines(pl.Callback):
             return
         step = trainer.global_step
         metrics = trainer.callback_metrics
-        names = [name for name in ("train/loss", "train/acceptance") if name in metrics]
-        figures = [f"{name.split('/')[1]} {float(metrics[name]):.4f}" for name in names]
+        figures = [f"{name.split('/')[1]} {float(metrics[name]):.4f}" for name in _headline(metrics, "train/")]
         self.progress.update(step - self.first_step, ", ".join(figures))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         metrics = trainer.callback_metrics
-        figures = [f"{k} {float(v):.4f}" for k, v in metrics.items() if k in ("val/loss", "val/acceptance")]
+        figures = [f"{name} {float(metrics[name]):.4f}" for name in _headline(metrics, "val/")]
         if figures:
             log.info("validation at step %d: %s", trainer.global_step, ", ".join(figures))
+
+
+def _headline(metrics: dict, prefix: str) -> list[str]:
+    """The metrics of `prefix` a progress line shows: its losses (every module's name for its objective, e.g.
+    train/loss, train/diffusion_loss) and acceptance."""
+    return [name for name in metrics if name.startswith(prefix) and ("loss" in name or name.endswith("/acceptance"))]
 
 
 class SampleGrid(pl.Callback):
