@@ -147,6 +147,9 @@ def generate_cspd_mar(
     for step in steps[:first]:  # 2. the target's own steps
         tokens, known = run.target_step(tokens, known, step)
     counts = {"passes": first, "drafter_passes": 0, "verify_rows": 0, "drafted": 0, "accepted": 0, "unsettled": 0}
+    counts.update(
+        {f"{kind}_at_draft_step_{r + 1}": 0 for r in range(settings.gamma) for kind in ("drafted", "accepted")}
+    )
     index = first
     ahead = AheadOfTheBatch(torch.zeros_like(tokens), torch.zeros(batch, dtype=torch.long, device=device))
     while index < len(steps):
@@ -155,8 +158,7 @@ def generate_cspd_mar(
             bonus = steps[index + len(window)] if index + len(window) < len(steps) else None
             tokens, known, advanced = _prefix_round(run, tokens, known, window, bonus, settings, counts, ahead)
         else:
-            end = next(k for k in range(index, len(steps)) if (k % settings.gamma == 0 and k) or k == len(steps) - 1)
-            window = steps[index : end + 1]
+            window = reference_round(steps, index, settings.gamma)
             tokens, known = _window_round(run, tokens, known, window, settings, counts)
             advanced = len(window)
         index += advanced
@@ -170,8 +172,17 @@ def generate_cspd_mar(
             "drafter_passes": counts["drafter_passes"],
             "verify_rows": counts["verify_rows"],
             "residual_fallbacks": counts["unsettled"],
+            # Tokens judged and kept at each step of a round (1: the round's first drafted step), summed.
+            **{key: value for key, value in counts.items() if "_at_draft_step_" in key},
         },
     )
+
+
+def reference_round(steps: list[RevealStep], index: int, gamma: int) -> list[RevealStep]:
+    """The steps of the reference's round that starts at step `index`: up to the next step whose index is a
+    multiple of `gamma` (``step % num_draft == 0``), or the last step."""
+    end = next(k for k in range(index, len(steps)) if (k % gamma == 0 and k) or k == len(steps) - 1)
+    return steps[index : end + 1]
 
 
 @dataclass
@@ -309,6 +320,8 @@ def _prefix_round(
     for r, (kept, _) in enumerate(judged):
         counted = (ahead.steps <= r) & (r <= rejected_at)  # drafts of this step that were judged for the image
         counts["accepted"] += int((kept & counted[:, None]).sum())
+        counts[f"accepted_at_draft_step_{r + 1}"] += int((kept & counted[:, None]).sum())
+        counts[f"drafted_at_draft_step_{r + 1}"] += int(counted.sum()) * kept.shape[1]
     # Each image has its steps before the rejection, the rejection's step (residual draws where rejected) or,
     # when it kept every step, the target's own sample of the next one.
     reach = torch.where(rejected_at < size, rejected_at + 1, size + int(bonus is not None))
@@ -342,6 +355,12 @@ def _window_round(run: _Run, tokens, known, window, settings: CSpDMARConfig, cou
     kept, replaced = run.judge(drafted, predicted, settings, counts)
     counts["drafted"] += kept.numel()
     counts["accepted"] += int(kept.sum())
+    start = 0
+    for r, drawn in enumerate(drafts):
+        count = drawn.tokens.shape[1]
+        counts[f"accepted_at_draft_step_{r + 1}"] += int(kept[:, start : start + count].sum())
+        counts[f"drafted_at_draft_step_{r + 1}"] += kept[:, start : start + count].numel()
+        start += count
     return reveal(tokens, known, positions, replaced)
 
 

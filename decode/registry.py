@@ -149,8 +149,8 @@ def check_token_kinds(methods: list[Method], backbone) -> None:
             raise ValueError(
                 f"decode method {method.name!r} ({method.generator}) decodes {method.spec.token_kind} tokens, but "
                 f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, "
-                "cspd_relaxed, cspd_rows; masked (MAR): ar, cspd_mar, cspd_mar_reference; discrete: ar, ssd_*, "
-                "mulo*, sjd, gsd, zipar, eagle*, lantern)"
+                "cspd_relaxed, cspd_rows; masked (MAR): ar, cspd_mar, cspd_mar_reference, mar_grouped; discrete: ar, "
+                "ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
             )
 
 

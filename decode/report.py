@@ -76,7 +76,19 @@ def summary_table(report: dict) -> str:
     ]
     if windows:  # the pass lengths a cost-aware method chose (decode/ssd_ragged.py)
         lines.append(f"mean open positions verified per image and pass: {', '.join(windows)}")
+    by_step = [f"{name} {rates}" for name, f in methods.items() if (rates := draft_step_acceptance(f.get("counts")))]
+    if by_step:  # CSpD on MAR: how acceptance falls along a round's drafted steps (decode/cspd_mar.py)
+        lines.append(f"token acceptance at draft steps 1, 2, ... of a round: {'; '.join(by_step)}")
     return "\n".join(lines)
+
+
+def draft_step_acceptance(counts: dict | None) -> str:
+    """ "0.41, 0.38, ..." from the accepted_/drafted_at_draft_step_k counts of a method's figures ("" without)."""
+    counts, rates, step = counts or {}, [], 1
+    while counts.get(f"drafted_at_draft_step_{step}"):
+        rates.append(f"{counts[f'accepted_at_draft_step_{step}'] / counts[f'drafted_at_draft_step_{step}']:.3f}")
+        step += 1
+    return ", ".join(rates)
 
 
 def outside_tolerance(methods: dict, tolerance: dict) -> dict[str, list[str]]:

@@ -12,10 +12,14 @@ import math
 
 import pytest
 import torch
+from mar_statistics import cspd_mar_statistic, draws, standardized_tokens
 from scipy.stats import kstest
 
+from backbones.base import Condition
 from backbones.mar import MARBackbone, gather_positions, random_mar_backbone, reveal_steps
 from decode.cspd_mar import CSpDMARConfig, generate_cspd_mar, load_mar_drafter, prefill_steps
+from decode.mar_grouped import MARGroupedConfig, generate_mar_grouped, grouped_steps
+from decode.sampling import SamplingConfig
 
 SEQ, DIM = 16, 4
 
@@ -39,31 +43,6 @@ def near_copy(model: MARBackbone, scale: float, seed: int = 5) -> MARBackbone:
             if name.startswith("decoder_blocks"):
                 parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * scale)
     return drafter
-
-
-def draws(batch: int, model: MARBackbone, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    orders = torch.stack([torch.randperm(SEQ, generator=generator) for _ in range(batch)])
-    noise = torch.randn(batch, SEQ, model.diffusion.noise_steps, DIM, generator=generator, dtype=torch.float64)
-    return orders, noise
-
-
-def standardized_tokens(model, tokens, class_ids, orders, noise, num_iter, cfg, temperature=1.0) -> torch.Tensor:
-    """(x - mean) / std of every token under `model`'s own final-step Gaussian given the tokens revealed before
-    its step and its trajectory noise: exactly N(0, 1) and independent when `tokens` have the model's distribution
-    (the chain rule, step by step: a step's tokens are independent given what came before)."""
-    tokens = tokens.reshape(len(class_ids), SEQ, DIM)
-    known = torch.zeros(len(class_ids), SEQ, dtype=torch.bool)
-    guided = cfg != 1.0
-    classes = model.class_embedding(class_ids, guided)
-    out = []
-    for step in reveal_steps(SEQ, num_iter, cfg):
-        positions = orders[:, step.start : step.end]
-        z = model.conditions_at(tokens, known, classes, positions)
-        gaussian = model.sample_positions(z, gather_positions(noise, positions), step.cfg_scale, temperature)
-        out.append(((gather_positions(tokens, positions) - gaussian.final_mean) / gaussian.final_std).flatten())
-        known = known.scatter(1, positions, True)
-    return torch.cat(out)
 
 
 # ---- a drafter equal to the target ----------------------------------------------------------------------
@@ -143,14 +122,7 @@ def test_reference_rounds_end_at_steps_divisible_by_gamma():
 
 
 def exactness_statistic(target, drafter, settings, num_iter=8, cfg=1.0, batch=300):
-    class_ids = torch.full((batch,), 3)
-    orders, noise = draws(batch, target, seed=11)
-    result = generate_cspd_mar(
-        target, drafter, class_ids, settings, num_iter, cfg, orders=orders, noise=noise,
-        generator=torch.Generator().manual_seed(2),
-    )  # fmt: skip
-    u = standardized_tokens(target, result.tokens, class_ids, orders, noise, num_iter, cfg)
-    return kstest(u.numpy(), "norm").pvalue, result
+    return cspd_mar_statistic(target, drafter, settings, num_iter, cfg, torch.full((batch,), 3))
 
 
 @pytest.mark.slow  # statistical; test_the_exactness_check_catches_planted_biases runs in the fast tier
@@ -183,6 +155,43 @@ def test_the_statistic_is_standard_normal_on_the_targets_own_samples(target):
     tokens = target.sample(class_ids, num_iter=8, orders=orders, noise=noise)
     u = standardized_tokens(target, tokens, class_ids, orders, noise, 8, 1.0)
     torch.testing.assert_close(u.view(-1), _noise_of_last_steps(noise, orders, 8).view(-1), rtol=0, atol=1e-4)
+
+
+# ---- the reference verification is MAR's sampler with grouped steps (decode/mar_grouped.py) ---------------
+
+
+def test_grouped_steps_of_one_are_the_targets_own_sampler(target):
+    class_ids = torch.tensor([1, 7])
+    orders, noise = draws(2, target, seed=6)
+    own = target.sample(class_ids, num_iter=8, cfg_scale=2.0, orders=orders, noise=noise)
+    condition, sampling = Condition(class_ids=class_ids), SamplingConfig(cfg_scale=2.0)
+    model = copy.copy(target)
+    model.num_iter = 8
+    result = generate_mar_grouped(model, condition, sampling, MARGroupedConfig(gamma=1), orders=orders, noise=noise)
+    assert torch.equal(result.tokens.view(2, SEQ, DIM), own) and result.forward_passes == 8
+    grouped = generate_mar_grouped(model, condition, sampling, MARGroupedConfig(gamma=3), orders=orders, noise=noise)
+    assert grouped.forward_passes == len(grouped_steps(reveal_steps(SEQ, 8), 3, 0.05)) == 4  # steps 0 | 1-3 | 4-6 | 7
+
+
+@pytest.mark.slow  # statistical; the grouped statistic's power is checked in the same test
+def test_the_reference_verification_at_tau_1_has_the_grouped_samplers_distribution(target):
+    """With the exact test, the reference's rounds sample each token given only the tokens before its round:
+    MAR's sampler with each round's steps revealed together, whatever the drafter (module doc of mar_grouped)."""
+    batch, num_iter, gamma = 300, 8, 3
+    class_ids = torch.full((batch,), 3)
+    orders, noise = draws(batch, target, seed=11)
+    settings = CSpDMARConfig(gamma=gamma, verification="window")
+    result = generate_cspd_mar(
+        target, near_copy(target, 1e-9), class_ids, settings, num_iter, orders=orders, noise=noise,
+        generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    steps = grouped_steps(reveal_steps(SEQ, num_iter), gamma, settings.prefill_fraction)
+    u = standardized_tokens(target, result.tokens, class_ids, orders, noise, num_iter, 1.0, steps=steps)
+    assert kstest(u.numpy(), "norm").pvalue > 1e-3
+    # The statistic can fail: the target's own (step by step) tokens are not of the grouped sampler.
+    own = target.sample(class_ids, num_iter=num_iter, orders=orders, noise=noise)
+    u = standardized_tokens(target, own, class_ids, orders, noise, num_iter, 1.0, steps=steps)
+    assert kstest(u.numpy(), "norm").pvalue < 1e-6
 
 
 def _noise_of_last_steps(noise, orders, num_iter):
