@@ -31,8 +31,9 @@ from backbones.kv_cache import ragged_slots, writing_at
 from decode.conditions import condition_rows
 from decode.method import MethodSpec
 from decode.result import GenerationResult
-from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
+from decode.rules import first_true, residual_distribution
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with, token_distribution
+from decode.sjd import AcceptRule, speculative_accept
 from heads.eagle import EagleHead
 
 _DRAFT, _TEST, _RESIDUAL, _TARGET = 0, 1, 2, 3  # what a keyed uniform is for
@@ -67,10 +68,13 @@ def generate_eagle_ragged(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
     config: RaggedEagleConfig = RaggedEagleConfig(),
+    accept: AcceptRule = speculative_accept,
 ) -> GenerationResult:
     """Generate one image per condition by ragged EAGLE chains over ``config.slots`` slots (module docstring).
 
-    ``forward_passes`` counts every backbone pass (ragged passes and the prefills that start images).
+    ``forward_passes`` counts every backbone pass (ragged passes and the prefills that start images). `accept`
+    tests the drafts, ``accept(p, q, drafts, uniforms)`` as decode/eagle.py's (LANTERN's relaxed test:
+    decode/lantern_ragged.py).
     """
     count = condition.batch_size
     slots = min(config.slots or count, count)
@@ -148,7 +152,7 @@ def generate_eagle_ragged(
         test_uniform = keyed_uniforms(
             seed[:, None], chain_positions, attempts.gather(1, chain_positions.clamp(max=total)), _TEST
         )
-        passed = accept_drafts(probability_of(p[:, :depth], chain), probability_of(q, chain), test_uniform)
+        passed = accept(p[:, :depth], q, chain, test_uniform)
         rejected_at = first_true(inside & ~passed, depth)
         kept = torch.minimum(rejected_at, inside.sum(1))  # drafts accepted
         counts["drafted"] += int((inside & (offsets[None] <= rejected_at[:, None])).sum())
