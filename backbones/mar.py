@@ -683,8 +683,10 @@ class MARBackbone(nn.Module):
         The VAE is kept outside this module's parameters, so the weights fingerprint, the official state
         dict and ``.to()`` see MAR only; `tokens_to_pixels` runs it on the tokens' device.
         """
-        if self.config.pixel_patch_size:
-            raise ValueError(f"{self.name}'s tokens are pixel patches: it decodes pixels without a VAE")
+        if self.config.pixel_patch_size:  # its tokens are its pixels: nothing to attach or detach
+            if vae is not None:
+                raise ValueError(f"{self.name}'s tokens are pixel patches: it decodes pixels without a VAE")
+            return
         if vae is not None and vae.config.embed_dim != self.token_dim:
             raise ValueError(
                 f"the VAE has {vae.config.embed_dim} latent channels, {self.name}'s tokens have {self.token_dim}"

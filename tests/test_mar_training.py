@@ -142,6 +142,8 @@ def test_a_saved_mar_loads_under_the_official_names_in_the_loaders_settings(tmp_
     # Pixel-patch tokens decode without a VAE, and refuse one.
     with pytest.raises(ValueError, match="without a VAE"):
         loaded.attach_vae(object())
+    loaded.attach_vae(None)  # (nothing to detach: its pixels are its tokens)
+    assert loaded.tokens_to_pixels(tokens.view(2, 4, 4, 4)).shape == (2, 1, 8, 8)
 
 
 def test_a_damaged_or_incomplete_export_names_the_fix(tmp_path):
