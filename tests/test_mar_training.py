@@ -156,3 +156,57 @@ def test_a_damaged_or_incomplete_export_names_the_fix(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="export it again"):
         load_mar_backbone(tmp_path)
+
+
+# ---- the experiments, end to end --------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two trainings and a decode run
+def test_the_embedded_mar_recipes_train_export_and_decode_with_cspd(tmp_path, monkeypatch):
+    from conftest import compose_config
+
+    from decode.cli import run_decode
+    from train.pipeline import run_training
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    tiny = [
+        "data=digits_continuous_tiny",  # 8x8 digits: a 4x4 grid of 2x2 patches
+        "module.architecture.grid_size=4",
+        "module.architecture.buffer_size=4",
+        "module.architecture.diffloss_width=32",
+        "module.architecture.sampling_steps=4",
+        "module.sample_num_iter=4",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=1",
+        "callbacks.ema.update_starting_at_step=1",
+        "callbacks.samples.every_n_steps=2",
+        "callbacks.samples.num_images=2",
+        f"paths.root_dir={tmp_path}",
+    ]
+    exports = {}
+    for experiment, width in (("backbone_mar_digits", 32), ("mar_drafter_digits", 16)):
+        export = tmp_path / experiment
+        overrides = [f"+experiment={experiment}", f"export.dir={export}", *tiny]
+        overrides += [f"module.architecture.{k}_dim={width}" for k in ("encoder", "decoder")]
+        metrics = run_training(compose_config(overrides, tmp_path / experiment / "run"))
+        assert metrics["train/diffusion_loss"] > 0
+        exports[experiment] = export
+    target = load_mar_backbone(exports["backbone_mar_digits"], num_iter=16, final_step_noise=True)
+    assert target.config.clip_denoised and target.config.pixel_patch_size == 2 and target.seq_len == 16
+    decode = [
+        "+experiment=cspd_mar_digits",
+        f"backbone.path={exports['backbone_mar_digits']}",
+        "backbone.num_iter=16",
+        f"decode.mar_drafter={exports['mar_drafter_digits']}",
+        "decode.num_images=2",
+        "decode.seeds=1",
+        f"decode.out={tmp_path / 'decode'}",
+        f"paths.root_dir={tmp_path}",
+    ]
+    from train.digits_classifier import train_and_save
+
+    train_and_save(tmp_path / "checkpoints" / "digits-classifier", 8, 16, log=lambda _: None)  # scores 8x8 digits
+    report = run_decode(compose_config(decode + [f"paths.checkpoints_dir={tmp_path / 'checkpoints'}"], tmp_path / "d"))
+    assert report["methods"]["cspd_mar"]["lossless"] and not report["methods"]["mar_grouped"]["lossless"]
+    assert report["methods"]["ar"]["forward_passes_per_image"] == 16
+    assert report["methods"]["mar_grouped"]["forward_passes_per_image"] < 16
