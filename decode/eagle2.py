@@ -143,4 +143,12 @@ def _generate(backbone, head, condition, sampling, generator, settings: Eagle2De
     return generate_eagle2(backbone, head, condition, sampling, generator, settings)
 
 
-METHOD = MethodSpec(generate=_generate, settings=Eagle2DecodeConfig, artefact="heads", artefact_kind="eagle")
+# `draws: sampled` is not lossless at small batches, as ssd_tree's (decode/ssd_tree.py, above its METHOD); the
+# authors' top-k point candidates are fixed by the context: exact.
+METHOD = MethodSpec(
+    generate=_generate,
+    settings=Eagle2DecodeConfig,
+    artefact="heads",
+    artefact_kind="eagle",
+    lossless=lambda settings: settings.draws == "top_k",
+)

@@ -142,3 +142,14 @@ def test_a_calibrated_tree_never_keeps_a_draw_outside_the_drafts_support():
     )
     assert bool((tree.tokens[:, 1:] < 2).all()), tree.tokens
     assert len(tree.depths) > 4  # the two supported tokens at every level are kept
+
+
+def test_sampled_trees_are_reported_as_not_lossless_and_point_candidates_as_lossless():
+    """Sampled draws kept by their own confidence are not exact at small batches (decode/ssd_tree.py, above its
+    METHOD: 40,000 batch-1 images on the 3x3 grid, p < 1e-300); the run report must not call them lossless."""
+    from decode.eagle2 import METHOD as EAGLE2
+    from decode.eagle2 import Eagle2DecodeConfig
+    from decode.ssd_tree import METHOD as SSD_TREE
+
+    assert not SSD_TREE.lossless(SSDTreeConfig()) and SSD_TREE.lossless(SSDTreeConfig(draws="top_k"))
+    assert EAGLE2.lossless(Eagle2DecodeConfig()) and not EAGLE2.lossless(Eagle2DecodeConfig(draws="sampled"))
