@@ -112,6 +112,23 @@ def condition_rows(condition: Condition, indices: list[int]) -> Condition:
     return Condition(prompts=[condition.prompts[i] for i in indices])
 
 
+def refill_slots(backbone: ARImageBackbone, state, condition: Condition, queue, freed: torch.Tensor, guided: bool):
+    """Start the next images of `queue` (a deque of condition indices) in the `freed` slots of a running batch: as
+    many as the queue holds, each prefilled and swapped into `state` (`ARImageBackbone.replace_images`).
+
+    Returns (slots refilled, their image indices, the prefill's first states): the slots are the first of `freed`
+    (the rest stay empty); with the queue empty, no slots and None, None. One backbone pass (the prefill) is spent
+    when slots are refilled.
+    """
+    refill = freed[: len(queue)]
+    if not len(refill):
+        return refill, None, None
+    images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=freed.device)
+    fresh, first = backbone.prefill(condition_rows(condition, images.tolist()), guided)
+    backbone.replace_images(state, refill, fresh)
+    return refill, images, first
+
+
 def is_text_to_image(backbone: ARImageBackbone) -> bool:
     """Text-to-image adapters (Emu3, Janus-Pro, Lumina-mGPT, Tar) turn prompts into their own token ids."""
     return hasattr(backbone, "prompt_token_ids")

@@ -28,7 +28,7 @@ import torch
 from backbones.base import ARImageBackbone, Condition
 from backbones.hf_loading import positional_arguments
 from backbones.kv_cache import ragged_slots, writing_at
-from decode.conditions import condition_rows
+from decode.conditions import condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import first_true, residual_distribution
@@ -184,11 +184,8 @@ def generate_eagle_ragged(
         done = torch.nonzero(active & (committed >= total))[:, 0]
         if len(done):
             output[image[done]] = tokens[done]
-            refill = done[: len(queue)]
+            refill, images, fresh_first = refill_slots(backbone, state, condition, queue, done, sampling.guided)
             if len(refill):
-                images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=device)
-                fresh, fresh_first = backbone.prefill(condition_rows(condition, images.tolist()), sampling.guided)
-                backbone.replace_images(state, refill, fresh)
                 counts["passes"] += 1
                 image[refill], seed[refill] = images, seeds[images.to(seeds.device)].to(device)
                 start(refill, fresh_first)

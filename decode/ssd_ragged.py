@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 
 from backbones.base import ARImageBackbone, Condition
-from decode.conditions import condition_rows
+from decode.conditions import condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.pass_cost import median_seconds
 from decode.result import GenerationResult
@@ -162,11 +162,8 @@ def generate_ssd_ragged(
         deferred = _test_and_correct(run, drafter, out, lengths, config, counts)
         done = _finish_rows(run, drafter, output, rows, deferred)
         if len(done):
-            refill = done[: len(queue)]
+            refill, images, fresh_first = refill_slots(backbone, state, condition, queue, done, sampling.guided)
             if len(refill):
-                images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=device)
-                fresh, fresh_first = backbone.prefill(condition_rows(condition, images.tolist()), sampling.guided)
-                backbone.replace_images(state, refill, fresh)
                 counts["passes"] += 1
                 _start_images(run, drafter, refill, images, seeds, fresh_first)
             run.image[done[len(refill) :]] = -1
