@@ -9,32 +9,16 @@ import pytest
 import torch
 from scipy.stats import truncnorm
 
-from backbones.mar import MARBackbone, MARConfig, load_mar_backbone
+from backbones.mar import MARBackbone, load_mar_backbone, mar_config
 from train.mar_module import initialise_like_mar, mar_loss, mask_ratio, random_masks
 
-TINY = dict(
-    encoder_dim=32,
-    encoder_depth=1,
-    encoder_heads=2,
-    decoder_dim=32,
-    decoder_depth=1,
-    decoder_heads=2,
-    token_dim=4,
-    grid_size=4,
-    buffer_size=4,
-    num_classes=10,
-    diffloss_depth=1,
-    diffloss_width=32,
-    sampling_steps=5,
-    time_frequencies=32,
-    pixel_patch_size=2,
-    name="mar-tiny-patches",
-)
+# The test-sized MAR (backbones/mar.py's "tiny") with pixel-patch tokens, smaller still.
+TINY = dict(encoder_depth=1, decoder_depth=1, diffloss_depth=1, diffloss_width=32, sampling_steps=5, pixel_patch_size=2)
 
 
 def tiny_model(seed: int = 0) -> MARBackbone:
     torch.manual_seed(seed)
-    return initialise_like_mar(MARBackbone(MARConfig(**TINY), num_iter=4))
+    return initialise_like_mar(MARBackbone(mar_config("tiny", **TINY), num_iter=4))
 
 
 def test_mask_ratios_follow_mars_truncated_normal():

@@ -15,25 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from backbones.mar import load_mar_backbone
 from decode.cspd_mar import CSpDMARConfig, _Run, generate_cspd_mar
+from decode.pass_cost import median_seconds
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def median_seconds(call, repeats: int = 7) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
+def seconds(call) -> float:
+    """Median of 7 timed calls after one untimed (decode.pass_cost.median_seconds, on the CPU)."""
+    return median_seconds(call, torch.device("cpu"), 7, 1)
 
 
 @torch.inference_mode()
@@ -43,14 +38,14 @@ def pass_costs(model, batch: int, rows_per_image: int) -> float:
     known = torch.zeros(rows, model.seq_len, dtype=torch.bool)
     known[:, : model.seq_len // 2] = True
     classes = model.class_emb(torch.zeros(rows, dtype=torch.long))
-    return median_seconds(lambda: model.conditions(tokens, known, classes))
+    return seconds(lambda: model.conditions(tokens, known, classes))
 
 
 @torch.inference_mode()
 def diffusion_cost(model, tokens: int) -> float:
     z = torch.randn(2 * tokens, model.hidden_size)  # guided twins
     noise = torch.randn(tokens, model.diffusion.noise_steps, model.token_dim)
-    return median_seconds(lambda: model.diffusion.sample(z, noise, 3.0, 1.0, guided=True))
+    return seconds(lambda: model.diffusion.sample(z, noise, 3.0, 1.0, guided=True))
 
 
 @torch.inference_mode()
