@@ -8,7 +8,8 @@ Every tree method (SSD's `ssd_tree`, EAGLE-2's `eagle2`) drafts, verifies and ac
   draft's most likely tokens (EAGLE-2's), or draws without replacement from the draft distribution q. Every
   candidate goes into a pool; the tree is the root and the `nodes - 1` candidates of the pool with the highest
   scores (score: the sum along the path of the draft's log-probability, EAGLE-2's, or of the log of the
-  calibrated acceptance probability, `AcceptanceModel`), ancestor-closed and with each node's children a prefix
+  calibrated acceptance probability, `AcceptanceModel`; a sampled draw is scored by what its rank could draw,
+  never by its own value, see `_candidates`), ancestor-closed and with each node's children a prefix
   of their draw order. One tree shape serves the batch (the backbone verifies one shape per pass): a node is a
   rank path (the root's r-th child's s-th child ...), holding each image's own tokens, scored by the mean over
   images. At batch 1 with top-k candidates and the draft's confidence this is EAGLE-2's tree exactly.
@@ -19,7 +20,12 @@ Every tree method (SSD's `ssd_tree`, EAGLE-2's `eagle2`) drafts, verifies and ac
   accepted child becomes the current node. Where every child is rejected the next token is drawn from what is
   left of the target, at a leaf from the target itself. Each token of the path is therefore distributed as the
   backbone's next-token distribution given the path before it (greedy: it is the argmax), which is what makes
-  tree methods lossless.
+  tree methods lossless, provided whether a draw is in the tree never depends on its own value: a score reads
+  a draw's rank, its parent's q and its earlier siblings and ancestors, never the draw itself, and it only falls
+  along a path and a sibling order, so neither the draw nor its descendants or later siblings can move it in
+  or out; the other branches are drawn independently of it given the ancestors they share. Given all it may
+  depend on, a kept draw is then distributed as the proposal it is tested with (tests/test_ssd_tree.py:
+  batch-1 trees, and the own-value ranking earlier versions had, caught).
 """
 
 from __future__ import annotations
@@ -71,8 +77,8 @@ class DraftTree:
     parents: torch.Tensor  # (T,) long: the node each follows, -1 for the root
     depths: list[int]  # (T,) the root is depth 0
     ranks: list[int]  # (T,) the node's place among its siblings (the order they were drawn and are tested)
-    # (B, T) the draft's probability of each node's token among what its earlier siblings left (the acceptance
-    # model's feature), 0 for the root
+    # (B, T) the largest draft probability among what its earlier siblings left, as a share of that mass (the
+    # acceptance model's feature; a top-k candidate's own probability there), 0 for the root
     features: torch.Tensor | None = None
     # (B, T, V) the draft distribution each node was drawn from, before its earlier siblings were excluded;
     # None: point proposals (deterministic top-k candidates)
@@ -103,10 +109,10 @@ def grow_tree(
     predicted it (rows = B, or 2B under guidance). `expand` runs the draft one step for a set of nodes.
 
     A candidate's score is the batch's mean log path confidence (EAGLE-2: the draft's log-probability of each
-    token along the path; with `acceptance`, the log of its calibrated probability of being accepted, see
-    `AcceptanceModel`), capped by its parent's score and by its earlier siblings' (a no-op for top-k
-    candidates at batch 1), so that whatever is kept is a tree whose children are a prefix of their draw
-    order (the order the acceptance rule's proposals assume).
+    token along the path, for a sampled draw the best its rank could draw, `_candidates`; with `acceptance`,
+    the log of its calibrated probability of being accepted, see `AcceptanceModel`), capped by its parent's
+    score and by its earlier siblings' (a no-op for top-k candidates at batch 1), so that whatever is kept is
+    a tree whose children are a prefix of their draw order (the order the acceptance rule's proposals assume).
     """
     batch, device = root_tokens.shape[0], root_tokens.device
     sampled = shape.draws == "sampled" and not sampling.greedy
@@ -170,25 +176,40 @@ def grow_tree(
 
 
 def _candidates(scores: torch.Tensor, k: int, sampling: SamplingConfig, sampled: bool, generator):
-    """Each expanded node's candidates: tokens (B, n, k) in draw order, their log confidence (B, n, k) (the
-    draft's log-probability), their feature (B, n, k) (that probability among what the earlier candidates
-    left), and the draft distribution q (B, n, V) they were drawn from, or None for top-k point candidates.
+    """Each expanded node's candidates: tokens (B, n, k) in draw order, their log confidence (B, n, k), their
+    feature (B, n, k), and the draft distribution q (B, n, V) they were drawn from, or None for top-k point
+    candidates.
+
+    A candidate's confidence is the largest probability q gives a token its earlier siblings did not take, and
+    its feature that probability among the mass they left. For a top-k candidate that is its own probability
+    (EAGLE-2's score). For a sampled one it is not: its own probability would rank a draw by its value, and a
+    draw kept because of its value is not distributed as the proposal the acceptance rule tests it with (at
+    batch 1 that biases the output: docs/runs/tree_batch1/). What a rank-r draw is scored by is fixed by q and
+    the earlier draws alone, so which draws a tree keeps never depends on their own values (its value may still
+    rank its descendants, through their q).
 
     Sampled: k draws without replacement from q by the Gumbel-top-k trick (the keys' order is the sequential
-    draws' order); draws past q's support get confidence -inf (never kept)."""
+    draws' order); ranks past q's support get confidence -inf (never kept)."""
     k = min(k, scores.shape[-1])
     if not sampled:  # EAGLE-2: the draft's own softmax ranks and scores the candidates
         probs = scores.float().softmax(-1)
         top = probs.topk(k, dim=-1)
         tokens, chosen, q = top.indices, top.values, None
+        best_left = chosen
     else:
         q = token_distribution(scores, sampling)
         uniform = torch.rand(q.shape, generator=generator, device=q.device).clamp(min=1e-20)
         tokens = (q.log() - (-uniform.log()).log()).topk(k, dim=-1).indices
         chosen = q.gather(-1, tokens)
+        # The best token each rank could still draw: q's max once the earlier draws are taken out.
+        remaining, best = q.clone(), []
+        for rank in range(k):
+            best.append(remaining.amax(-1))
+            remaining.scatter_(-1, tokens[..., rank : rank + 1], 0.0)
+        best_left = torch.stack(best, -1)
     left = 1 - (chosen.cumsum(-1) - chosen)  # the mass the earlier candidates left
-    feature = (chosen / left.clamp(min=1e-12)).clamp(max=1.0)
-    return tokens, chosen.log(), feature, q
+    feature = (best_left / left.clamp(min=1e-12)).clamp(max=1.0)
+    return tokens, best_left.log(), feature, q
 
 
 def _stable_top(values: torch.Tensor, count: int) -> torch.Tensor:
@@ -218,8 +239,9 @@ class AcceptanceModel:
     EAGLE-2 ranks nodes by the draft's probability of their tokens, which is what a top-k (point) candidate's
     acceptance probability is when the draft matches the target; a candidate sampled from the draft is
     accepted more often than its own probability (``min(1, p / q)``), and heads are not perfectly calibrated.
-    Here the acceptance rate is counted per sibling rank and per bin of the candidate's feature (its draft
-    probability among what the earlier siblings left), starting from the point-candidate prior (rate = the
+    Here the acceptance rate is counted per sibling rank and per bin of the candidate's feature (the largest
+    draft probability among what the earlier siblings left, as a share of it: a top-k candidate's own; never a
+    sampled draw's own value, `_candidates`), starting from the point-candidate prior (rate = the
     feature) with `prior_weight` pseudo-counts. It only decides which nodes a pass verifies, so it cannot
     change what a lossless method samples; it is reset for every generation (an image's tokens do not
     depend on which images came before it).

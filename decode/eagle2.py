@@ -143,12 +143,10 @@ def _generate(backbone, head, condition, sampling, generator, settings: Eagle2De
     return generate_eagle2(backbone, head, condition, sampling, generator, settings)
 
 
-# `draws: sampled` is not lossless at small batches, as ssd_tree's (decode/ssd_tree.py, above its METHOD); the
-# authors' top-k point candidates are fixed by the context: exact.
+# Lossless with either draws, as ssd_tree (decode/ssd_tree.py, above its METHOD).
 METHOD = MethodSpec(
     generate=_generate,
     settings=Eagle2DecodeConfig,
     artefact="heads",
     artefact_kind="eagle",
-    lossless=lambda settings: settings.draws == "top_k",
 )

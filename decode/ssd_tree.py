@@ -162,16 +162,13 @@ def _generate(backbone, heads, condition, sampling, generator, settings: SSDTree
     return generate_ssd_tree(backbone, heads, condition, sampling, generator, settings)
 
 
-# Sampled draws are not lossless where the pool holds more candidates than `nodes`: which draws are kept depends
-# on their own values (their confidence), and recursive rejection sampling is exact only for a set of draws chosen
-# without looking at them. At large batches the tree is ranked by the batch's mean confidence, so one image's
-# draws barely move it (the 20,000-image chi-square tests pass); at batch 1 they decide it: on the 3x3 grid with
-# nodes=3, 40,000 batch-1 images give chi-square p < 1e-300 (2026-12-04; a fix that ranks a draw by its rank and
-# context only is open). Top-k point candidates are the heads' most likely tokens, fixed by the context: exact.
+# Lossless with either draws: a sampled draw is ranked by what its rank could draw, never by its own value
+# (decode/draft_tree.py, `_candidates`), so which draws a tree keeps does not depend on them (until 2026-12-04 it
+# did, and batch-1 trees were biased: docs/runs/tree_batch1/results.txt); top-k point candidates are fixed by the
+# context.
 METHOD = MethodSpec(
     generate=_generate,
     settings=SSDTreeConfig,
     artefact="heads",
     artefact_kind="ssd",
-    lossless=lambda settings: settings.draws == "top_k",
 )
