@@ -102,6 +102,7 @@ def grow_tree(
     sampling: SamplingConfig,
     generator: torch.Generator | None = None,
     acceptance: AcceptanceModel | None = None,
+    min_score: float = float("-inf"),
 ) -> DraftTree:
     """EAGLE-2's dynamic draft tree from a root (see the module docstring).
 
@@ -113,6 +114,11 @@ def grow_tree(
     the log of its calibrated probability of being accepted, see `AcceptanceModel`), capped by its parent's
     score and by its earlier siblings' (a no-op for top-k candidates at batch 1), so that whatever is kept is
     a tree whose children are a prefix of their draw order (the order the acceptance rule's proposals assume).
+
+    `min_score` (a log confidence; `decode/tree_budget.py`'s cost-aware budget): candidates scoring below it are
+    neither expanded nor kept, so the tree holds at most `nodes`, fewer where the rest would not pay for their
+    place in the pass. A fixed threshold keeps selection blind to a kept draw's own value (scores only fall
+    along a path), as the cap does.
     """
     batch, device = root_tokens.shape[0], root_tokens.device
     sampled = shape.draws == "sampled" and not sampling.greedy
@@ -148,15 +154,18 @@ def grow_tree(
         scores.append(level_scores)
         if q is not None:
             proposals.append(q.repeat_interleave(k, dim=1))
-        # EAGLE-2 expands the `beam` best candidates of this depth next.
-        best = _stable_top(level_scores, shape.beam)
+        # EAGLE-2 expands the `beam` best candidates of this depth next (none below the budget's threshold:
+        # their children score no higher).
+        best = _stable_top(_above(level_scores, min_score), shape.beam)
+        if len(best) == 0:
+            break
         frontier = [first + int(i) for i in best]
         # A candidate's input state is the one its parent's expansion predicted (candidates are parent-major).
         frontier_states, frontier_tokens = child_states[:, best // k], tokens[-1][:, best]
         frontier_scores = level_scores[best]
     all_scores = torch.cat(scores)
     # The root and the best `nodes - 1` candidates; ties keep pool order, so a parent comes before its child.
-    chosen = [0] + sorted(int(i) + 1 for i in _stable_top(all_scores[1:], shape.nodes - 1))
+    chosen = [0] + sorted(int(i) + 1 for i in _stable_top(_above(all_scores[1:], min_score), shape.nodes - 1))
     new_index = {old: new for new, old in enumerate(chosen)}
     if any(parents[old] >= 0 and parents[old] not in new_index for old in chosen):
         raise AssertionError("draft tree selection is not ancestor-closed")  # scores only fall along a path
@@ -210,6 +219,13 @@ def _candidates(scores: torch.Tensor, k: int, sampling: SamplingConfig, sampled:
     left = 1 - (chosen.cumsum(-1) - chosen)  # the mass the earlier candidates left
     feature = (best_left / left.clamp(min=1e-12)).clamp(max=1.0)
     return tokens, best_left.log(), feature, q
+
+
+def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The scores, -inf where below the threshold (`_stable_top` never picks those)."""
+    if threshold == float("-inf"):
+        return scores
+    return scores.masked_fill(scores < threshold, float("-inf"))
 
 
 def _stable_top(values: torch.Tensor, count: int) -> torch.Tensor:

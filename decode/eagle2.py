@@ -57,6 +57,9 @@ class Eagle2DecodeConfig:
     # "top_k" (EAGLE-2: the head's most likely tokens, tested as point proposals) or "sampled" (draws without
     # replacement from the head's draft distribution, the first one EAGLE-1's draft; not the authors')
     draws: str = "top_k"
+    # "fixed": every pass verifies `nodes`; "cost": at most `nodes`, only those whose expected tokens pay for
+    # their place in the pass at this machine's measured pass cost (decode/tree_budget.py; not the authors')
+    budget: str = "fixed"
 
     def __post_init__(self):
         TreeShape(self.nodes, self.depth, self.top_k, self.top_k, self.draws)  # its checks
@@ -64,6 +67,8 @@ class Eagle2DecodeConfig:
             raise ValueError(f"eagle2 depth must be >= 1 (draft steps per pass), got {self.depth}")
         if self.confidence not in ("calibrated", "draft"):
             raise ValueError(f"eagle2 confidence must be 'calibrated' or 'draft', got {self.confidence!r}")
+        if self.budget not in ("fixed", "cost"):
+            raise ValueError(f"eagle2 budget must be 'fixed' or 'cost', got {self.budget!r}")
 
 
 def generate_eagle2(
@@ -92,6 +97,7 @@ class Eagle2Drafter:
         self.score_draft = backbone.draft_scorer(state, sampling.cfg_scale)
         self.dtype = head.fc.weight.dtype
         self.calibrated = config.confidence == "calibrated"
+        self.cost_aware = config.budget == "cost"
 
     def shape(self, frontier: int) -> TreeShape:
         depth = min(self.config.depth, self.total - 1 - frontier)

@@ -66,6 +66,9 @@ class SSDTreeConfig:
     # How nodes are ranked: "calibrated" (the acceptance rate measured so far in this image per sibling rank and
     # draft-probability bin, decode/draft_tree.py's AcceptanceModel) or "draft" (EAGLE-2: the draft's probability)
     confidence: str = "calibrated"
+    # "fixed": every pass verifies `nodes`; "cost": at most `nodes`, only those whose expected tokens pay for
+    # their place in the pass at this machine's measured pass cost (decode/tree_budget.py; not the authors')
+    budget: str = "fixed"
 
     def __post_init__(self):
         if self.depth < 0:
@@ -73,6 +76,8 @@ class SSDTreeConfig:
         TreeShape(self.nodes, self.depth, self.top_k, self.beam, self.draws)  # the other checks
         if self.confidence not in ("calibrated", "draft"):
             raise ValueError(f"ssd_tree confidence must be 'calibrated' or 'draft', got {self.confidence!r}")
+        if self.budget not in ("fixed", "cost"):
+            raise ValueError(f"ssd_tree budget must be 'fixed' or 'cost', got {self.budget!r}")
 
 
 def generate_ssd_tree(
@@ -102,6 +107,7 @@ class SSDTreeDrafter:
         self.rows, self.cols = backbone.geometry.rows, backbone.geometry.cols
         self.prepared_row, self.above_prepared = -1, None
         self.calibrated = config.confidence == "calibrated"
+        self.cost_aware = config.budget == "cost"
 
     def shape(self, frontier: int) -> TreeShape:
         row, column = divmod(frontier, self.cols)

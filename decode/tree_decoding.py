@@ -5,7 +5,9 @@ Per pass (decode/draft_tree.py has the rules):
 1. the root is the token the backbone gave last (not in the cache yet), with the
    exact state that predicted it;
 2. the method's drafter grows a tree from it (`grow_tree` with the drafter's
-   draft step and tree size for this position);
+   draft step and tree size for this position; with a cost-aware budget,
+   only the nodes whose expected tokens pay for their place in the pass,
+   decode/tree_budget.py);
 3. `ARImageBackbone.step_tree` verifies every node in one pass, `walk_tree`
    accepts a path and draws the token after it (the next root), and
    `keep_tree_path` makes the path the cache's continuation.
@@ -28,12 +30,14 @@ from decode.draft_tree import AcceptanceModel, ExpandFn, TreeShape, TreeWalk, gr
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig, sample_from
 from decode.sjd import target_distributions
+from decode.tree_budget import NodeBudget
 
 
 class TreeDrafter(Protocol):
     """What a tree method supplies: per root position, its tree's size and its draft step."""
 
     calibrated: bool  # rank nodes by `AcceptanceModel`'s calibrated acceptance, not the draft's probability
+    cost_aware: bool  # verify only the nodes that pay for their place in the pass (`decode/tree_budget.py`)
 
     def shape(self, frontier: int) -> TreeShape:
         """The tree for a root at grid position `frontier` (its depth never past what the method drafts)."""
@@ -70,13 +74,15 @@ def generate_by_trees(
     counts: dict[str, int] = {"tree_passes": 0, "tree_nodes_fed": 0}
     cache_rows = torch.arange(predicting.shape[0], device=device)
     acceptance = AcceptanceModel(drafter.shape(0).top_k, device=device) if drafter.calibrated else None
+    budget = NodeBudget(backbone, condition, state.guided, drafter.shape(0).nodes) if drafter.cost_aware else None
     while True:
         tokens[:, frontier] = root
         if frontier == total - 1:
             break
         expand = drafter.expander(frontier, tokens, predicting)
+        min_score = budget.min_log_score() if budget is not None else float("-inf")
         tree = grow_tree(
-            root, predicting[:, frontier], expand, drafter.shape(frontier), sampling, generator, acceptance
+            root, predicting[:, frontier], expand, drafter.shape(frontier), sampling, generator, acceptance, min_score
         )
         drafter.after_tree()
         verified = backbone.step_tree(state, tree.tokens, tree.parents)
@@ -86,6 +92,8 @@ def generate_by_trees(
         if acceptance is not None:
             acceptance.update(walk)
         keep = int(walk.length.min())
+        if budget is not None:
+            budget.observe(len(tree.depths), keep)
         drafted += batch * (len(tree.depths) - 1)
         accepted += int(walk.length.sum()) - batch
         path = walk.path[:, :keep]  # (B, keep): every image's first `keep` nodes are accepted

@@ -24,8 +24,12 @@ GREEDY = SamplingConfig(greedy=True)
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize(
     "config",
-    [SSDTreeConfig(nodes=12, top_k=2, beam=3), SSDTreeConfig(nodes=6, top_k=3, beam=2, depth=2)],
-    ids=["to-row-end", "depth-2"],
+    [
+        SSDTreeConfig(nodes=12, top_k=2, beam=3),
+        SSDTreeConfig(nodes=6, top_k=3, beam=2, depth=2),
+        SSDTreeConfig(nodes=24, top_k=2, beam=4, budget="cost"),
+    ],
+    ids=["to-row-end", "depth-2", "cost-budget"],
 )
 @pytest.mark.parametrize("grid", [False, True], ids=["horizontal", "grid"])
 def test_greedy_ssd_tree_equals_greedy_ar_on_digits(tiny_backbone, batch, config, grid):
@@ -147,7 +151,9 @@ def test_a_calibrated_tree_never_keeps_a_draw_outside_the_drafts_support():
 # ---- batch 1: the tree's shape follows the image's own draws ----------------------------------
 
 
-def _two_token_walks(trials: int, calibrated: bool, seed: int = 0) -> tuple[list[list[int]], dict[tuple, float]]:
+def _two_token_walks(
+    trials: int, calibrated: bool, seed: int = 0, min_score: float = float("-inf")
+) -> tuple[list[list[int]], dict[tuple, float]]:
     """The first two tokens after a fixed root from `trials` batch-1 trees (nodes 3, depth 2, two sampled draws
     per node: which nodes are kept depends on the draws), drafted from a table q(next | token) and walked
     against another, p; and their true distribution p(a | root) p(b | a)."""
@@ -167,7 +173,9 @@ def _two_token_walks(trials: int, calibrated: bool, seed: int = 0) -> tuple[list
     model = AcceptanceModel(ranks=2) if calibrated else None  # learns from the walks, as in a generation
     pairs = []
     for _ in range(trials):
-        tree = grow_tree(torch.tensor([root]), torch.zeros(1, 1, 1), expand, shape, SamplingConfig(), generator, model)
+        tree = grow_tree(
+            torch.tensor([root]), torch.zeros(1, 1, 1), expand, shape, SamplingConfig(), generator, model, min_score
+        )
         walk = walk_tree(tree, target[tree.tokens], generator)
         if model is not None:
             model.update(walk)
@@ -179,11 +187,16 @@ def _two_token_walks(trials: int, calibrated: bool, seed: int = 0) -> tuple[list
     return pairs, truth
 
 
-@pytest.mark.parametrize("calibrated", [False, True], ids=["draft-confidence", "calibrated"])
-def test_a_batch_1_sampled_tree_keeps_the_targets_distribution(calibrated):
+@pytest.mark.parametrize(
+    "calibrated, min_score",
+    [(False, float("-inf")), (True, float("-inf")), (True, -1.2)],
+    ids=["draft-confidence", "calibrated", "calibrated-threshold"],
+)
+def test_a_batch_1_sampled_tree_keeps_the_targets_distribution(calibrated, min_score):
     """At batch 1 the kept nodes are chosen from this image's own draws; a draw must not be kept for its own
-    value (it would no longer be distributed as the proposal it is tested with)."""
-    pairs, truth = _two_token_walks(4000, calibrated)
+    value (it would no longer be distributed as the proposal it is tested with). A cost budget's threshold
+    (min_score) drops the nodes below it, still blind to their values."""
+    pairs, truth = _two_token_walks(4000, calibrated, min_score=min_score)
     assert_sampled_from(pairs, truth)
 
 
@@ -211,3 +224,56 @@ def test_sampled_and_point_candidate_trees_are_reported_as_lossless():
 
     assert SSD_TREE.lossless(SSDTreeConfig()) and SSD_TREE.lossless(SSDTreeConfig(draws="top_k"))
     assert EAGLE2.lossless(Eagle2DecodeConfig()) and EAGLE2.lossless(Eagle2DecodeConfig(draws="sampled"))
+
+
+def test_a_threshold_keeps_exactly_the_candidates_that_clear_it():
+    """grow_tree's min_score (the cost budget's): the tree is the root and the pool's candidates scoring at
+    least the threshold, ancestor-closed, never more than `nodes`."""
+    vocabulary = 6
+    table = torch.randn(vocabulary, vocabulary, generator=torch.Generator().manual_seed(1)) * 2
+
+    def expand(nodes, pool_parents, states, tokens, depth):
+        return states, table[tokens]
+
+    shape, root = TreeShape(nodes=40, depth=4, top_k=3, beam=3), torch.tensor([2])
+    full = grow_tree(root, torch.zeros(1, 1, 1), expand, shape, GREEDY)
+    log_q = table.log_softmax(-1)
+    path_scores = [0.0]
+    for node in range(1, len(full.depths)):  # top-k at batch 1: the path's summed log-probability
+        parent = int(full.parents[node])
+        path_scores.append(path_scores[parent] + float(log_q[full.tokens[0, parent], full.tokens[0, node]]))
+    threshold = sorted(path_scores)[len(path_scores) // 2]
+    pruned = grow_tree(root, torch.zeros(1, 1, 1), expand, shape, GREEDY, min_score=threshold)
+    kept = {
+        tuple(full.tokens[0, n].tolist() for n in _path(full, node))
+        for node in range(len(full.depths))
+        if path_scores[node] >= threshold
+    }
+    got = {tuple(pruned.tokens[0, n].tolist() for n in _path(pruned, node)) for node in range(len(pruned.depths))}
+    assert 1 < len(got) < len(full.depths) and got == kept
+
+
+def _path(tree, node: int) -> list[int]:
+    """The nodes from the root to `node`."""
+    path = [node]
+    while int(tree.parents[path[-1]]) >= 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+def test_the_node_budget_threshold_is_the_marginal_cost_of_a_node_at_the_measured_rate():
+    """C(n) = a + b n measured: after passes averaging n nodes and E tokens, a node must be reached with
+    probability b E / C(n) to pay for its place (decode/tree_budget.py)."""
+    import math
+
+    from decode.tree_budget import NodeBudget
+
+    budget = NodeBudget.__new__(NodeBudget)
+    budget.counts = [1, 8, 16, 32, 64]
+    budget.seconds = [0.004 + 0.0003 * n for n in budget.counts]
+    budget.passes, budget.tokens, budget.nodes = 0, 0.0, 0.0
+    assert budget.min_log_score() == float("-inf")  # the first pass: the whole tree
+    budget.observe(40, 6)
+    budget.observe(20, 2)
+    expected = 0.0003 * 4 / (0.004 + 0.0003 * 30)
+    assert math.isclose(math.exp(budget.min_log_score()), expected, rel_tol=1e-9)
