@@ -5,20 +5,20 @@ path (the exponential of its score in `decode/draft_tree.py`: with calibrated co
 acceptance along its path), and costs the time it adds to the pass. The pass that maximises expected tokens per
 second E(n) / C(n) keeps a node exactly where its probability is at least
 
-    threshold = C'(n) * E(n) / C(n)
+    threshold = C'(n) * E(n) / (C(n) + D)
 
-(the marginal condition: the n-th node's tokens against the tokens per second the pass gives), with C(n) the
-measured seconds of a tree pass of n nodes, C' its slope there, E(n) the tokens per pass. `NodeBudget` takes E
-and n from the passes of this generation so far (their mean keep and nodes fed) and C from a table measured
-once per process on this machine at this batch (`tree_pass_seconds`), and gives `grow_tree` the threshold
-before the tree is grown. A fixed threshold keeps the tree blind to a kept draw's own value (scores only fall
+(the marginal condition: the n-th node's tokens against the tokens per second a round gives), with C(n) the
+measured seconds of a tree pass of n nodes, C' its slope there, D the rest of a round (growing the tree,
+walking it, keeping the path), E(n) the tokens per pass. `NodeBudget` takes E, n and D from the rounds of this
+generation so far (their mean keep, nodes fed, and wall-clock beyond the table's pass) and C from a table
+measured once per process on this machine at this batch (`tree_pass_seconds`), and gives `grow_tree` the
+threshold before the tree is grown. A fixed threshold keeps the tree blind to a kept draw's own value (scores only fall
 along a path, so whether a draw clears it reads its rank and ancestors only), so the method stays lossless; it
 only changes which nodes a pass verifies.
 
-What it leaves out: the drafting time, both per pass (it would lower the threshold, keeping more nodes) and per
-node (the draft steps of a deeper tree, which would raise it). What it makes depend on the machine: the tokens
-drawn at a seed (the table decides the tree's size, so how many random numbers the pass uses); the
-distribution does not depend on it.
+What it leaves out: that D grows with the tree's depth (a draft step per level). What it makes depend on the
+machine and the run: the tokens drawn at a seed (the timings decide the tree's size, so how many random numbers
+a round uses); the distribution does not depend on them.
 """
 
 from __future__ import annotations
@@ -73,21 +73,25 @@ class NodeBudget:
         if key not in _MEASURED:  # measured once per backbone, batch and guidance in this process
             _MEASURED[key] = tree_pass_seconds(backbone, condition, guided, self.counts)
         self.seconds = _MEASURED[key]
-        self.passes, self.tokens, self.nodes = 0, 0.0, 0.0
+        self.passes, self.tokens, self.nodes, self.overhead = 0, 0.0, 0.0, 0.0
 
     def min_log_score(self) -> float:
         """The log threshold for the next tree (-inf before the first pass: the whole tree, up to `nodes`)."""
         if self.passes == 0:
             return float("-inf")
         mean_nodes, mean_tokens = self.nodes / self.passes, self.tokens / self.passes
-        threshold = self.slope(mean_nodes) * mean_tokens / self.pass_seconds(mean_nodes)
+        round_seconds = self.pass_seconds(mean_nodes) + self.overhead / self.passes
+        threshold = self.slope(mean_nodes) * mean_tokens / round_seconds
         return math.log(max(threshold, 1e-30))
 
-    def observe(self, nodes_fed: int, tokens_kept: int) -> None:
-        """Count a pass: the nodes it fed and the tokens it committed per image."""
+    def observe(self, nodes_fed: int, tokens_kept: int, round_seconds: float | None = None) -> None:
+        """Count a round: the nodes its pass fed, the tokens it committed per image and its wall-clock (what
+        it took beyond the table's pass is D; None: not timed, D = 0)."""
         self.passes += 1
         self.nodes += nodes_fed
         self.tokens += tokens_kept
+        if round_seconds is not None:
+            self.overhead += max(0.0, round_seconds - self.pass_seconds(nodes_fed))
 
     def pass_seconds(self, nodes: float) -> float:
         """The measured table, linearly interpolated (extrapolated along its last segment)."""

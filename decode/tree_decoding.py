@@ -21,6 +21,7 @@ stopping time of that sequence, and the images are independent).
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -80,6 +81,7 @@ def generate_by_trees(
         if frontier == total - 1:
             break
         expand = drafter.expander(frontier, tokens, predicting)
+        began = time.perf_counter()
         min_score = budget.min_log_score() if budget is not None else float("-inf")
         tree = grow_tree(
             root, predicting[:, frontier], expand, drafter.shape(frontier), sampling, generator, acceptance, min_score
@@ -93,7 +95,9 @@ def generate_by_trees(
             acceptance.update(walk)
         keep = int(walk.length.min())
         if budget is not None:
-            budget.observe(len(tree.depths), keep)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the round's wall-clock includes its pass
+            budget.observe(len(tree.depths), keep, time.perf_counter() - began)
         drafted += batch * (len(tree.depths) - 1)
         accepted += int(walk.length.sum()) - batch
         path = walk.path[:, :keep]  # (B, keep): every image's first `keep` nodes are accepted

@@ -262,8 +262,8 @@ def _path(tree, node: int) -> list[int]:
 
 
 def test_the_node_budget_threshold_is_the_marginal_cost_of_a_node_at_the_measured_rate():
-    """C(n) = a + b n measured: after passes averaging n nodes and E tokens, a node must be reached with
-    probability b E / C(n) to pay for its place (decode/tree_budget.py)."""
+    """C(n) = a + b n measured: after rounds averaging n nodes, E tokens and D seconds beyond their pass, a node
+    must be reached with probability b E / (C(n) + D) to pay for its place (decode/tree_budget.py)."""
     import math
 
     from decode.tree_budget import NodeBudget
@@ -271,9 +271,9 @@ def test_the_node_budget_threshold_is_the_marginal_cost_of_a_node_at_the_measure
     budget = NodeBudget.__new__(NodeBudget)
     budget.counts = [1, 8, 16, 32, 64]
     budget.seconds = [0.004 + 0.0003 * n for n in budget.counts]
-    budget.passes, budget.tokens, budget.nodes = 0, 0.0, 0.0
+    budget.passes, budget.tokens, budget.nodes, budget.overhead = 0, 0.0, 0.0, 0.0
     assert budget.min_log_score() == float("-inf")  # the first pass: the whole tree
-    budget.observe(40, 6)
-    budget.observe(20, 2)
-    expected = 0.0003 * 4 / (0.004 + 0.0003 * 30)
+    budget.observe(40, 6, 0.004 + 0.0003 * 40 + 0.003)  # rounds 3 and 1 ms longer than their passes: D = 2 ms
+    budget.observe(20, 2, 0.004 + 0.0003 * 20 + 0.001)
+    expected = 0.0003 * 4 / (0.004 + 0.0003 * 30 + 0.002)
     assert math.isclose(math.exp(budget.min_log_score()), expected, rel_tol=1e-9)
