@@ -32,6 +32,19 @@ batch, how many slots there are, when it enters and which windows the passes use
 backbone's batched pass is: float32 results can depend on the batch's shape by rounding, which flips a token
 only at a near-tie). The image seeds are drawn from the generator, one per condition, in the queue's order.
 
+Lookahead (``lookahead``, exact mode): decode/ssd.py's lookahead for ragged frontiers. A pass whose window
+reaches an image's row end goes on into the next row's drafts (up to the window; window 0: to that row's end), so
+a row that passes whole hands its pass to the next row instead of ending it; where the row passes whole, the next
+row's drafts are tested with that pass's states at once (a second test of the same pass). The next row is
+drafted before its row above is final, from that row as it stood at its last correction (exact states where they
+were known then, the heads' predicted states elsewhere; its first token is a vertical draft, tested like the
+others), with uniforms keyed by fixed attempt numbers. That row above and those keys depend on the image's
+corrections only, never on the windows or on when a pass looked ahead, so an image keeps the same tokens
+whatever its batch; lookahead drafts that a correction made stale (a correction anywhere in the row, its last
+column too) are drafted again and never tested with the stale pass. Exact: the drafts of the final version are a
+draw from q with uniforms no earlier decision read, and are tested with the exact rule against the image's own
+target. ``lookahead_confidence`` looks ahead only where the product of the row's open drafts' q(x) clears it.
+
 Cost-aware windows (``window: auto``): before each pass the generator picks how many open positions per image
 the pass verifies, maximising the expected committed tokens per second: each image's expected tokens
 ``sum_{k<w} a^k`` from its acceptance rate ``a`` measured so far (a prior of 0.85 with 8 pseudo-counts), over
@@ -41,6 +54,7 @@ per pass measured as it runs.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -76,12 +90,21 @@ class RaggedSSDConfig:
     # open positions a pass verifies per image: 0 to the row's end, n at most n, "auto" chosen per pass by cost
     window: int | Literal["auto"] = 0
     slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
+    # exact mode: a pass whose window reaches an image's row end goes on into the next row's drafts, drafted
+    # before the row is final (see the module docstring); saves about one pass per row
+    lookahead: bool = False
+    # lookahead only where the product of the row's open drafts' own probabilities q(x) is at least this (0: always)
+    lookahead_confidence: float = 0.0
 
     def __post_init__(self):
         if self.mode not in ("exact", "prefix"):
             raise ValueError(f"ragged SSD mode must be 'exact' or 'prefix', got {self.mode!r}")
         if self.window != "auto" and (not isinstance(self.window, int) or self.window < 0):
             raise ValueError(f"ragged SSD window must be an int >= 0 or 'auto', got {self.window!r}")
+        if self.lookahead and self.mode != "exact":
+            raise ValueError("ragged SSD lookahead needs mode exact (prefix mode keeps rows unverified)")
+        if not 0 <= self.lookahead_confidence <= 1:
+            raise ValueError(f"ragged SSD lookahead_confidence must be in [0, 1], got {self.lookahead_confidence}")
         if min(self.rounds, self.grid_steps, self.horizontal_steps, self.slots) < 0:
             raise ValueError(
                 f"ragged SSD rounds, grid_steps, horizontal_steps and slots must be >= 0, got {self.rounds}, "
@@ -97,9 +120,10 @@ class RaggedSSDConfig:
 class _Slots:
     """The images being decoded: per slot its image, row, frontier and drafts (B slots, G = twins * B rows)."""
 
-    def __init__(self, backbone: ARImageBackbone, drafter: SSDRowDrafter, batch: int, device, dtype):
+    def __init__(self, backbone: ARImageBackbone, drafter: SSDRowDrafter, batch: int, device, dtype, lookahead: bool):
         rows, cols, hidden = backbone.geometry.rows, backbone.geometry.cols, backbone.hidden_size
         cache_rows = drafter.twins * batch
+        self.rows = rows
         self.image = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1: empty
         self.seed = torch.zeros(batch, dtype=torch.long, device=device)
         self.row = torch.zeros(batch, dtype=torch.long, device=device)
@@ -119,6 +143,22 @@ class _Slots:
         self.row_passes = torch.zeros(batch, dtype=torch.long, device=device)
         self.tested = torch.zeros(batch, device=device)  # this image's tests and acceptances (cost model)
         self.accepted = torch.zeros(batch, device=device)
+        self.lookahead = lookahead
+        if lookahead:
+            # The heads' predicted state behind each draft (the next row is drafted from them where the exact
+            # state was not known at the row's last correction).
+            self.drafts.predicted = torch.zeros(cache_rows, cols, hidden, device=device, dtype=dtype)
+            # Columns whose exact state the next row's drafts read: those known at the row's last correction (or
+            # its start), so the next row's drafts depend on the image's corrections, never on the windows.
+            self.epoch_known = torch.zeros(batch, cols, dtype=torch.bool, device=device)
+            self.next = DraftedRow(
+                torch.zeros(batch, cols, dtype=torch.long, device=device),
+                torch.zeros(batch, cols, backbone.codebook_size, device=device),
+                torch.zeros(cache_rows, cols, hidden, device=device, dtype=dtype),
+            )
+            self.next_attempts = torch.zeros(batch, cols, dtype=torch.long, device=device)
+            self.next_ready = torch.zeros(batch, dtype=torch.bool, device=device)  # drafted since the last correction
+            self.next_above_prepared: torch.Tensor | None = None
 
     @property
     def active(self) -> torch.Tensor:
@@ -146,21 +186,34 @@ def generate_ssd_ragged(
     state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
     device = first.device
     drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config.drafting(), device)
-    run = _Slots(backbone, drafter, slots, device, first.dtype)
+    run = _Slots(backbone, drafter, slots, device, first.dtype, config.lookahead)
     output = torch.zeros(count, rows * cols, dtype=torch.long, device=device)
     queue = deque(range(slots, count))
-    chooser = _WindowChooser(backbone, state, slots, cols, sampling.guided) if config.window == "auto" else None
-    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0}
+    chooser = (
+        _WindowChooser(backbone, state, slots, cols, sampling.guided, config.lookahead)
+        if config.window == "auto"
+        else None
+    )
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0, "lookahead": 0}
     _start_images(run, drafter, torch.arange(slots, device=device), torch.arange(slots, device=device), seeds, first)
     while bool(run.active.any()):
         began = time.perf_counter()
-        window = chooser.choose(run) if chooser is not None else (config.window or cols)
-        out, lengths = _ragged_pass(backbone, state, run, window, cols)
+        window = chooser.choose(run) if chooser is not None else config.window
+        out, lengths, starts = _ragged_pass(backbone, state, run, drafter, window, config, counts)
         counts["passes"] += 1
-        counts["window_sum"] += window
+        counts["window_sum"] += window or cols
         counts["window_passes"] += 1
-        deferred = _test_and_correct(run, drafter, out, lengths, config, counts)
-        done = _finish_rows(run, drafter, output, rows, deferred)
+        deferred = _test_and_correct(run, drafter, out, lengths, starts, config, counts)
+        done, moved = _finish_rows(run, drafter, output, rows, deferred)
+        while len(moved):  # lookahead: the images whose pass went on into the row they have just started test it
+            among = torch.zeros_like(run.active)
+            among[moved] = True
+            among &= starts + lengths > run.row * cols
+            if not bool(among.any()):
+                break
+            deferred = _test_and_correct(run, drafter, out, lengths, starts, config, counts, among)
+            more_done, moved = _finish_rows(run, drafter, output, rows, deferred, among)
+            done = torch.cat([done, more_done])
         if len(done):
             refill, images, fresh_first = refill_slots(backbone, state, condition, queue, done, sampling.guided)
             if len(refill):
@@ -176,7 +229,7 @@ def generate_ssd_ragged(
         forward_passes=counts["passes"],
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
-        extras={"window_sum": counts["window_sum"], "window_passes": counts["window_passes"]},
+        extras={k: counts[k] for k in ("window_sum", "window_passes", "lookahead")},
     )
 
 
@@ -204,6 +257,9 @@ def _start_images(run: _Slots, drafter: SSDRowDrafter, slots, images, seeds, fir
     _draw_first(run, drafter, slots, run.states[twin_slots, 0])
     _redraft(run, drafter, slots, torch.zeros_like(slots), first_row=True)
     run.grid[slots, : run.drafts.tokens.shape[1]] = run.drafts.tokens[slots]
+    if run.lookahead:
+        run.epoch_known[slots] = run.state_known[slots, : drafter.cols]
+        run.next_ready[slots] = False
 
 
 def _draw_first(run: _Slots, drafter: SSDRowDrafter, slots, first_state: torch.Tensor) -> None:
@@ -213,6 +269,8 @@ def _draw_first(run: _Slots, drafter: SSDRowDrafter, slots, first_state: torch.T
     uniform = _uniforms(run, slots, zero, zero, _FIRST)[:, 0]
     run.drafts.q[slots, 0] = q
     run.drafts.tokens[slots, 0] = sample_with(q, uniform)
+    if run.drafts.predicted is not None:
+        run.drafts.predicted[drafter.twin(slots), 0] = first_state
     run.committed[slots] = 1
 
 
@@ -238,40 +296,98 @@ def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: b
     drafter.redraft(run.drafts, 0 if first_row else 1, slots, positions, exact_state, above_prepared, uniforms=uniforms)
 
 
-def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, window: int, cols: int):
+def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, drafter: SSDRowDrafter, window: int, config, counts):
     """Feed every image from its first open cache slot to `window` open positions after its committed ones
-    (its row's end at most): one ragged pass. Returns the states (rows, T, H) and each image's run length."""
+    (0: its row's end); with lookahead, a run that reaches its row's end goes on into the next row's drafts (up
+    to the window; 0: to that row's end). One ragged pass. Returns the states (rows, T, H), each image's run
+    length and its first grid position."""
+    cols = drafter.cols
     row_start = run.row * cols
-    end = row_start + torch.minimum(run.committed + window, torch.full_like(run.committed, cols))
+    reach = run.committed + window if window else torch.full_like(run.committed, 2 * cols)
+    end = row_start + torch.minimum(reach, torch.full_like(reach, cols))
+    if run.lookahead:
+        ahead = run.active & (reach > cols) & (run.row < run.rows - 1)
+        if config.lookahead_confidence > 0 and bool(ahead.any()):
+            ahead &= _open_draft_log_probability(run, cols) >= math.log(config.lookahead_confidence)
+        if bool(ahead.any()):
+            unready = torch.nonzero(ahead & ~run.next_ready)[:, 0]
+            if len(unready):
+                _draft_next_rows(run, drafter, unready)
+            end = end + torch.where(ahead, (reach - cols).clamp(max=cols), 0)
+            counts["lookahead"] += int(ahead.sum())
     lengths = torch.where(run.active, end - run.cached, 1)
     width = int(lengths.max())
     positions = (run.cached[:, None] + torch.arange(width, device=lengths.device)).clamp(max=run.grid.shape[1] - 1)
     tokens = run.grid.gather(1, positions)
     starts = torch.where(run.active, run.cached, 0)
-    return backbone.step_ragged(state, tokens, starts), lengths
+    return backbone.step_ragged(state, tokens, starts), lengths, starts
+
+
+def _open_draft_log_probability(run: _Slots, cols: int) -> torch.Tensor:
+    """Per slot, the log of the product of its row's open drafts' own probabilities q(x) (B,)."""
+    draft_probability = run.drafts.q.gather(-1, run.drafts.tokens[..., None])[..., 0]  # (B, C)
+    is_open = torch.arange(cols, device=run.committed.device)[None] >= run.committed[:, None]
+    return torch.where(is_open, draft_probability.clamp(min=1e-30).log(), 0.0).sum(1)
+
+
+def _draft_next_rows(run: _Slots, drafter: SSDRowDrafter, slots: torch.Tensor) -> None:
+    """Lookahead: draft the row after each slot's row (k,) before that row is final, into `run.next` and the
+    grid. The row above is the slot's row as it stood at its last correction: exact states where they were known
+    then (`epoch_known`), the heads' predictions elsewhere. The vertical head drafts every column (uniforms keyed
+    with attempt 1), the grid or horizontal head re-drafts from column 0 (attempt 2), as a row start would; these
+    keys and this row above are the same whichever pass drafts them, so a slot's tokens do not depend on when
+    (or whether) a pass looked ahead."""
+    cols, twin = drafter.cols, drafter.twin(slots)
+    known = run.epoch_known[slots].repeat(drafter.twins, 1)  # (G_k, C)
+    above = torch.where(known[..., None], run.states[twin, :cols], run.drafts.predicted[twin])  # (G_k, C, H)
+    tokens_above = run.drafts.tokens[slots]
+    columns = torch.arange(cols, device=slots.device).expand(len(slots), -1)
+    vertical = drafter.vertical(above, tokens_above, _uniforms(run, slots, columns + cols, columns * 0 + 1, _DRAFT))
+    run.next.tokens[slots], run.next.q[slots] = vertical.tokens, vertical.q
+    run.next.predicted[twin] = vertical.predicted
+    run.next_attempts[slots] = 1
+    prepared = drafter.prepare_above(above, tokens_above)
+    if prepared is not None:
+        if run.next_above_prepared is None:
+            run.next_above_prepared = prepared.new_zeros(run.states.shape[0], *prepared.shape[1:])
+        run.next_above_prepared[twin] = prepared
+
+    def uniforms(steps: int) -> torch.Tensor:
+        chain = torch.arange(1, steps + 1, device=slots.device).clamp(max=cols - 1).expand(len(slots), -1)
+        run.next_attempts[slots[:, None], chain] = 2
+        return _uniforms(run, slots, chain + cols, chain * 0 + 2, _DRAFT).T
+
+    exact_state = run.next.predicted[twin, 0]  # the first column's state is a prediction here too
+    next_prepared = None if prepared is None else run.next_above_prepared
+    drafter.redraft(run.next, 1, slots, torch.zeros_like(slots), exact_state, next_prepared, uniforms=uniforms)
+    next_columns = ((run.row[slots] + 1) * cols)[:, None] + columns
+    run.grid[slots[:, None], next_columns] = run.next.tokens[slots]
+    run.next_ready[slots] = True
 
 
 def _test_and_correct(
-    run: _Slots, drafter: SSDRowDrafter, out, lengths, config: RaggedSSDConfig, counts
+    run: _Slots, drafter: SSDRowDrafter, out, lengths, starts, config: RaggedSSDConfig, counts, among=None
 ) -> torch.Tensor | None:
     """Store each image's new states, test its open drafts, draw its first rejection from the residual and
     re-draft the rest of its row from there; budget-spent rows (prefix mode) keep their drafts. In exact mode
     the re-drafts of rows below the first are returned instead (slots; from their last committed position), to
-    run in one call with the rows that start in this round (`_finish_rows`)."""
+    run in one call with the rows that start in this round (`_finish_rows`). `starts` (B,): the grid position
+    each image's run began at; `among` (B,) bool: only these images (lookahead: the row a pass went on into)."""
     cols = drafter.cols
     batch = run.image.shape[0]
+    active = run.active if among is None else run.active & among
     arange = torch.arange(cols + 1, device=out.device)
-    # out[b, j] predicts grid position cached_b + j + 1: row column c comes from j = row_start + c - 1 - cached.
-    j = run.row[:, None] * cols + arange[None] - 1 - run.cached[:, None]  # (B, C + 1)
-    fresh = (j >= 0) & (j < lengths[:, None]) & run.active[:, None]
+    # out[b, j] predicts grid position start_b + j + 1: row column c comes from j = row_start + c - 1 - start.
+    j = run.row[:, None] * cols + arange[None] - 1 - starts[:, None]  # (B, C + 1)
+    fresh = (j >= 0) & (j < lengths[:, None]) & active[:, None]
     twin_j = j.clamp(min=0, max=out.shape[1] - 1).repeat(drafter.twins, 1)
     gathered = out.gather(1, twin_j[..., None].expand(-1, -1, out.shape[-1]))
     twin_fresh = fresh.repeat(drafter.twins, 1)
     run.states = torch.where(twin_fresh[..., None], gathered, run.states)
     run.state_known |= fresh
-    extent = (run.cached + lengths - run.row * cols).clamp(max=cols)  # columns < extent were verified
+    extent = (starts + lengths - run.row * cols).clamp(max=cols)  # columns < extent were verified
     columns = arange[None, :cols]
-    is_open = (columns >= run.committed[:, None]) & (columns < extent[:, None]) & run.active[:, None]
+    is_open = (columns >= run.committed[:, None]) & (columns < extent[:, None]) & active[:, None]
     p = drafter.distribution(run.states[:, :cols])  # (B, C, V)
     drafts = run.drafts
     uniform = _uniforms(run, torch.arange(batch, device=out.device), columns.expand(batch, -1), run.attempts, _TEST)
@@ -284,8 +400,8 @@ def _test_and_correct(
     counts["accepted"] += int(accepted.sum())
     run.tested += tested.float()
     run.accepted += accepted.float()
-    run.row_passes += run.active.long()
-    opened = run.active & (extent > run.committed)
+    run.row_passes += active.long()
+    opened = active & (extent > run.committed)
     # No rejection: every verified draft is final, and so are their cache slots.
     run.committed = torch.where(opened & ~rejected, extent, run.committed)
     run.cached = torch.where(opened & ~rejected, run.row * cols + extent, run.cached)
@@ -301,6 +417,9 @@ def _test_and_correct(
     run.committed[fixed] = position + 1
     run.cached[fixed] = run.row[fixed] * cols + position  # the rejected draft's slot holds the wrong token
     run.state_known[fixed] &= arange[None] <= position[:, None]  # states right of the correction are stale
+    if run.lookahead:  # the row changed: the next row is drafted again, from what is known now
+        run.epoch_known[fixed] = run.state_known[fixed, :cols]
+        run.next_ready[fixed] = False
     more = fixed[position < cols - 1]
     if len(more):
         first_row = run.row[more] == 0
@@ -323,23 +442,34 @@ def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, config: RaggedSSDConfi
         run.committed[spent] = drafter.cols
 
 
-def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferred=None) -> torch.Tensor:
-    """Images whose row is final write it out and start their next row; returns the slots whose image is done.
-    `deferred`: slots whose corrections in rows below the first still need their re-draft (one call with the
-    rows that start here: on a CPU each head call costs its kernels' launches, whatever its batch)."""
+def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferred=None, among=None):
+    """Images whose row is final write it out and start their next row. Returns the slots whose image is done
+    and the slots that started a row whose drafts this pass may have fed already (lookahead). `deferred`: slots
+    whose corrections in rows below the first still need their re-draft (one call with the rows that start here:
+    on a CPU each head call costs its kernels' launches, whatever its batch). `among` (B,) bool: only these
+    images (lookahead's second test of a pass)."""
     cols = drafter.cols
-    finished = torch.nonzero(run.active & (run.committed >= cols))[:, 0]
+    active = run.active if among is None else run.active & among
+    finished = torch.nonzero(active & (run.committed >= cols))[:, 0]
     arange = torch.arange(cols, device=finished.device)
     if len(finished) == 0:
         _redraft_and_write(run, drafter, deferred, None)
-        return finished
+        return finished, finished
     grid_columns = (run.row[finished] * cols)[:, None] + arange[None]
     output[run.image[finished][:, None], grid_columns] = run.drafts.tokens[finished]
     last = run.row[finished] == rows - 1
     done, going = finished[last], finished[~last]
     if len(going) == 0:
         _redraft_and_write(run, drafter, deferred, None)
-        return done
+        return done, going
+    # Lookahead: the slots whose pass fed the drafts they start with (drafted before the pass, and the row passed
+    # whole in it) test them with this pass's states; the others draft them now and test them in the next pass.
+    ahead = going[:0]
+    if run.lookahead:
+        ready = run.next_ready[going]
+        ahead = _fed_ahead(going, ready)
+        if not bool(ready.all()):
+            _draft_next_rows(run, drafter, going[~ready])
     twin_going = drafter.twin(going)
     # The finished row becomes the row above: its states are exact (each position was tested with its state).
     run.above_states[twin_going] = run.states[twin_going, :cols]
@@ -357,15 +487,20 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferre
         if run.above_prepared is None:
             run.above_prepared = prepared.new_zeros(run.states.shape[0], *prepared.shape[1:])
         run.above_prepared[twin_going] = prepared
-    # The vertical head drafts the whole row (the first token too, where the backbone has not given its state).
-    zero = torch.zeros(len(going), cols, dtype=torch.long, device=going.device)
-    vertical = drafter.vertical(
-        run.above_states[twin_going],
-        run.above_tokens[going],
-        _uniforms(run, going, arange.expand_as(zero), zero + 1, _DRAFT),
-    )
-    run.attempts[going] = 1
-    run.drafts.tokens[going], run.drafts.q[going] = vertical.tokens, vertical.q
+    if run.lookahead:  # the row drafted ahead, its first token a draft like the others
+        run.drafts.tokens[going], run.drafts.q[going] = run.next.tokens[going], run.next.q[going]
+        run.drafts.predicted[twin_going] = run.next.predicted[twin_going]
+        run.attempts[going] = run.next_attempts[going]
+        run.next_ready[going] = False
+    else:  # the vertical head drafts the whole row (the first token too, where the backbone has not given its state)
+        zero = torch.zeros(len(going), cols, dtype=torch.long, device=going.device)
+        vertical = drafter.vertical(
+            run.above_states[twin_going],
+            run.above_tokens[going],
+            _uniforms(run, going, arange.expand_as(zero), zero + 1, _DRAFT),
+        )
+        run.attempts[going] = 1
+        run.drafts.tokens[going], run.drafts.q[going] = vertical.tokens, vertical.q
     run.committed[going] = 0
     # Where the pass did not give the state after the row's last token (a correction there, or prefix mode's
     # unverified rest), the cache lacks that row's tail: the next pass feeds it before the new drafts.
@@ -375,10 +510,20 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferre
         twin_known = drafter.twin(known)
         run.states[twin_known, 0] = next_state[next_known.repeat(drafter.twins)]
         run.state_known[known, 0] = True
-        _draw_first(run, drafter, known, run.states[twin_known, 0])
+        if not run.lookahead:
+            _draw_first(run, drafter, known, run.states[twin_known, 0])
+    if run.lookahead:
+        run.epoch_known[going] = run.state_known[going, :cols]
+        known = known[:0]  # drafted ahead: nothing to re-draft from the first token
     run.grid[going[:, None], (run.row[going] * cols)[:, None] + arange[None]] = run.drafts.tokens[going]
     _redraft_and_write(run, drafter, deferred, known if len(known) else None)
-    return done
+    return done, ahead
+
+
+def _fed_ahead(going: torch.Tensor, ready: torch.Tensor) -> torch.Tensor:
+    """Of the slots starting a row, those whose drafts a pass may have fed: drafted before it and unchanged since
+    (a correction anywhere in the row above, this pass's last column included, makes its lookahead stale)."""
+    return going[ready]
 
 
 def _redraft_and_write(run: _Slots, drafter: SSDRowDrafter, corrected, starting) -> None:
@@ -403,32 +548,48 @@ def _redraft_and_write(run: _Slots, drafter: SSDRowDrafter, corrected, starting)
 class _WindowChooser:
     """Cost-aware windows: the pass length that maximises the batch's expected committed tokens per second."""
 
-    def __init__(self, backbone: ARImageBackbone, state, batch: int, cols: int, guided: bool, prior: float = 0.85):
-        self.cols, self.prior, self.prior_weight = cols, prior, 8.0
-        self.lengths = sorted({1, 2, 3, 4, 6, 8, 12, 16, cols, cols + 1} - {0})
+    def __init__(
+        self,
+        backbone: ARImageBackbone,
+        state,
+        batch: int,
+        cols: int,
+        guided: bool,
+        lookahead: bool = False,
+        prior: float = 0.85,
+    ):
+        self.cols, self.prior, self.prior_weight, self.lookahead = cols, prior, 8.0, lookahead
+        self.rows = backbone.geometry.rows
+        self.lengths = sorted({1, 2, 3, 4, 6, 8, 12, 16, cols, cols + 1} | ({2 * cols + 1} if lookahead else set()))
         # Measured once per backbone, batch and guidance in this process ("at start-up"), not per call.
         key = (id(backbone), str(next(backbone.parameters()).device), batch, guided, tuple(self.lengths))
         if key not in _MEASURED_PASS_SECONDS:
             _MEASURED_PASS_SECONDS[key] = _ragged_pass_seconds(backbone, state, batch, self.lengths)
         self.seconds = _MEASURED_PASS_SECONDS[key]
+        # Every run length a pass can have (1 .. two rows and a token), its seconds interpolated once.
+        self.seconds_by_length = torch.tensor(
+            [0.0] + [self._pass_seconds(n) for n in range(1, 2 * cols + 2)], dtype=torch.float64
+        )
         self.overhead = 0.0  # drafting and testing per pass, measured as the generation runs
         self.overhead_count = 0
         self.last_pass = 0.0
 
     def choose(self, run: _Slots) -> int:
+        """All candidate windows at once: (W, B) expected tokens and run lengths, one argmax (the first best)."""
         rate = (run.accepted + self.prior * self.prior_weight) / (run.tested + self.prior_weight)  # (B,)
         remaining = (self.cols - run.committed).clamp(min=1)
+        if self.lookahead:  # a window past the row's end goes on into the next row
+            remaining = remaining + torch.where(run.row < self.rows - 1, self.cols, 0)
         lag = run.row * self.cols + run.committed - run.cached  # committed tokens the cache lacks (0 or 1)
-        best, best_rate = self.cols, -1.0
-        for window in range(1, self.cols + 1):
-            w = torch.minimum(remaining, torch.full_like(remaining, window)).float()
-            expected = torch.where(run.active, (1 - rate**w) / (1 - rate).clamp(min=1e-6), 0.0).sum()
-            length = int(torch.where(run.active, w.long() + lag, 1).max())
-            tokens_per_second = float(expected) / (self._pass_seconds(length) + self.overhead)
-            if tokens_per_second > best_rate:
-                best, best_rate = window, tokens_per_second
-        self.last_pass = self._pass_seconds(best)
-        return best
+        windows = torch.arange(1, int(remaining.max()) + 1, device=remaining.device)  # (W,)
+        w = torch.minimum(remaining[None], windows[:, None]).double()  # (W, B)
+        rate = rate.double()[None]
+        expected = torch.where(run.active[None], (1 - rate**w) / (1 - rate).clamp(min=1e-6), 0.0).sum(1)  # (W,)
+        length = torch.where(run.active[None], w.long() + lag[None], 1).amax(1).clamp(max=2 * self.cols + 1)
+        seconds = self.seconds_by_length[length.cpu()].to(expected.device) + self.overhead
+        best = int(torch.argmax(expected / seconds))
+        self.last_pass = float(self.seconds_by_length[int(length[best])])
+        return int(windows[best])
 
     def observe(self, seconds: float) -> None:
         """A round's wall-clock: what it took beyond its pass is the drafting overhead (running mean)."""

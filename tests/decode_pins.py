@@ -95,6 +95,8 @@ TREE_CASES = [
 RAGGED_CASES = [
     ("ssd_ragged", "decode.ssd_ragged", {"window": 0}),
     ("ssd_ragged_w2_slots2", "decode.ssd_ragged", {"window": 2, "slots": 2}),
+    ("ssd_ragged_lookahead", "decode.ssd_ragged", {"window": 0, "lookahead": True}),
+    ("ssd_ragged_lookahead_w4_slots2", "decode.ssd_ragged", {"window": 4, "slots": 2, "lookahead": True}),
 ]
 CSPD_CASES = [
     ("cspd", {}),

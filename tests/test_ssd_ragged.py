@@ -40,30 +40,61 @@ def test_greedy_ragged_ssd_equals_greedy_ar(tiny_backbone, slots, window, grid, 
     assert 0 < result.accepted_tokens < result.drafted_tokens  # drafts pass and fail: the rules run
 
 
+@pytest.mark.parametrize(
+    "slots,window,grid,confidence",
+    [(1, 0, True, 0.0), (4, 0, False, 0.0), (4, 3, True, 0.0), (10, 4, False, 0.01), (16, 2, True, 0.05)],
+)
+def test_greedy_ragged_ssd_with_lookahead_equals_greedy_ar(tiny_backbone, slots, window, grid, confidence):
+    """Lookahead: a pass that reaches a row's end also tests the next row's drafts, which were drafted before
+    the row was final; a correction in the row (its last column too) must leave them unused."""
+    sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=grid)
+    settings = dict(slots=slots, window=window, lookahead=True, lookahead_confidence=confidence)
+    result = _ragged(tiny_backbone, heads, QUEUE, sampling, **settings)
+    assert torch.equal(result.tokens, generate_ar(tiny_backbone, QUEUE, sampling).tokens)
+    assert result.extras["lookahead"] > 0  # passes did go on into the next row
+
+
+def test_lookahead_that_tests_stale_drafts_is_caught(tiny_backbone, monkeypatch):
+    """Planted: after a pass whose row ends in a correction, the next row's drafts it fed (drafted before the
+    correction, their states computed after the rejected token) are tested anyway. Greedy output leaves AR's."""
+    monkeypatch.setattr("decode.ssd_ragged._fed_ahead", lambda going, ready: going)
+    sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    result = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=0, lookahead=True)
+    assert not torch.equal(result.tokens, generate_ar(tiny_backbone, QUEUE, sampling).tokens)
+
+
 @pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("lookahead", [False, True], ids=["row-by-row", "lookahead"])
 @pytest.mark.parametrize("family", sorted(ADAPTERS))
-def test_greedy_ragged_ssd_equals_greedy_ar_on_every_adapter(family):
+def test_greedy_ragged_ssd_equals_greedy_ar_on_every_adapter(family, lookahead):
     make_backbone, make_condition, cfg_scale = ADAPTERS[family]
     backbone = make_backbone()
     queue = queue_of_four(make_condition())
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     heads = random_ssd_heads(backbone.hidden_size, seed=0, std=0.3, grid=True)
-    result = _ragged(backbone, heads, queue, sampling, slots=2)  # a 4-image queue over 2 slots: refills
+    result = _ragged(backbone, heads, queue, sampling, slots=2, lookahead=lookahead)  # 4 images over 2 slots
     assert torch.equal(result.tokens, generate_ar(backbone, queue, sampling).tokens)
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["row-by-row", "lookahead"])
 @pytest.mark.parametrize("grid", [True, False], ids=["grid-heads", "horizontal-heads"])
-def test_an_image_gets_the_same_tokens_whatever_its_batch_and_window(tiny_backbone, grid):
+def test_an_image_gets_the_same_tokens_whatever_its_batch_and_window(tiny_backbone, grid, lookahead):
     """Sampled, same seed: one slot to the row's end, five slots (refilled in another order) with a window of 1,
     all ten at once with a window of 2 and with cost-aware windows give every image the same tokens, bit for
     bit (drafts change only after corrections, each test's uniform is keyed by its image and draft; the digits
-    backbone's batched float32 passes agree to far below the gaps between a uniform and its threshold)."""
+    backbone's batched float32 passes agree to far below the gaps between a uniform and its threshold). With
+    lookahead the next row's drafts are made from the row as it stood at its last correction, with fixed keys,
+    so whether and when a pass looked ahead (window, confidence gate) changes no token either."""
     sampling = SamplingConfig(cfg_scale=3.0)
     heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=grid)
-    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=0)
-    for slots, window in ((5, 1), (10, 2), (10, "auto")):
-        batched = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=slots, window=window)
-        assert torch.equal(batched.tokens, alone.tokens), (slots, window)
+    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=0, lookahead=lookahead)
+    runs = [(5, 1, 0.0), (10, 2, 0.0), (10, "auto", 0.0)] + ([(4, 0, 0.3), (1, 5, 0.05)] if lookahead else [])
+    for slots, window, confidence in runs:
+        settings = dict(slots=slots, window=window, lookahead=lookahead, lookahead_confidence=confidence)
+        batched = _ragged(tiny_backbone, heads, QUEUE, sampling, **settings)
+        assert torch.equal(batched.tokens, alone.tokens), (slots, window, confidence)
 
 
 def _leak_feed_from_the_next_image(monkeypatch):
@@ -102,7 +133,7 @@ def backbone3():
     return enumerable_backbone(grid_size=3, levels=2)
 
 
-def _sample(backbone, window: int):
+def _sample(backbone, window: int, lookahead: bool = False):
     """40,000 images of one class over 2,000 slots: frontiers at every row and column, slots refilled."""
     heads = random_ssd_heads(16, seed=1, grid=True)
     condition = Condition(class_ids=torch.full((40_000,), CLASS_ID))
@@ -112,23 +143,37 @@ def _sample(backbone, window: int):
         condition,
         SamplingConfig(cfg_scale=2.0),
         torch.Generator().manual_seed(0),
-        RaggedSSDConfig(slots=2_000, window=window, grid_steps=0),
+        RaggedSSDConfig(slots=2_000, window=window, grid_steps=0, lookahead=lookahead),
     )
 
 
-@pytest.mark.slow  # the planted-bias check below keeps the test's power in the fast tier
-@pytest.mark.parametrize("window", [0, 1])
-def test_sampled_ragged_ssd_has_the_backbone_distribution(backbone3, window):
+@pytest.mark.slow  # the planted-bias checks below keep the test's power in the fast tier
+@pytest.mark.parametrize("window,lookahead", [(0, False), (1, False), (0, True), (2, True)])
+def test_sampled_ragged_ssd_has_the_backbone_distribution(backbone3, window, lookahead):
     truth = image_distribution(backbone3, CLASS_ID, SamplingConfig(cfg_scale=2.0))
-    result = _sample(backbone3, window)
+    result = _sample(backbone3, window, lookahead)
     assert 0.2 < result.accepted_tokens / result.drafted_tokens < 0.95
     assert_sampled_from(result.tokens.flatten(1).tolist(), truth)
 
 
-def test_the_ragged_distribution_test_catches_a_planted_bias(backbone3, monkeypatch):
+def _stale_lookahead(monkeypatch):
+    """Lookahead's drafts tested even after a correction in the row above made them stale."""
+    monkeypatch.setattr("decode.ssd_ragged._fed_ahead", lambda going, ready: going)
+
+
+def _residual_without_the_draft(monkeypatch):
     """After a rejection the token is drawn from p instead of the residual norm(max(0, p - q))."""
     monkeypatch.setattr("decode.ssd_ragged.residual_distribution", lambda p, q: p)
-    result = _sample(backbone3, window=0)
+
+
+@pytest.mark.parametrize(
+    "bias,lookahead",
+    [(_residual_without_the_draft, False), (_residual_without_the_draft, True), (_stale_lookahead, True)],
+    ids=["residual", "residual-lookahead", "stale-lookahead"],
+)
+def test_the_ragged_distribution_test_catches_a_planted_bias(backbone3, monkeypatch, bias, lookahead):
+    bias(monkeypatch)
+    result = _sample(backbone3, window=0, lookahead=lookahead)
     truth = image_distribution(backbone3, CLASS_ID, SamplingConfig(cfg_scale=2.0))
     pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), truth)
     assert pvalue < 1e-6, f"the planted bias went unnoticed (p = {pvalue:.2e})"
@@ -139,6 +184,10 @@ def test_ragged_ssd_refuses_bad_settings():
         RaggedSSDConfig(window=-1)
     with pytest.raises(ValueError, match="mode"):
         RaggedSSDConfig(mode="autocorrect")
+    with pytest.raises(ValueError, match="lookahead needs mode exact"):
+        RaggedSSDConfig(mode="prefix", lookahead=True)
+    with pytest.raises(ValueError, match="lookahead_confidence"):
+        RaggedSSDConfig(lookahead=True, lookahead_confidence=1.5)
 
 
 def test_prefix_mode_spends_at_most_rounds_plus_one_passes_per_row_and_is_exact_with_enough(tiny_backbone):
