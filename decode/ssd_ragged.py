@@ -198,8 +198,8 @@ def generate_ssd_ragged(
     _start_images(run, drafter, torch.arange(slots, device=device), torch.arange(slots, device=device), seeds, first)
     while bool(run.active.any()):
         began = time.perf_counter()
-        window = chooser.choose(run) if chooser is not None else config.window
-        out, lengths, starts = _ragged_pass(backbone, state, run, drafter, window, config, counts)
+        window = chooser.choose(run, _may_look_ahead(run, config)) if chooser is not None else config.window
+        out, lengths, starts, drafted_ahead = _ragged_pass(backbone, state, run, drafter, window, config, counts)
         counts["passes"] += 1
         counts["window_sum"] += window or cols
         counts["window_passes"] += 1
@@ -223,7 +223,7 @@ def generate_ssd_ragged(
         if chooser is not None:
             if device.type == "cuda":  # the round's kernels, not just their launches
                 torch.cuda.synchronize(device)
-            chooser.observe(time.perf_counter() - began)
+            chooser.observe(time.perf_counter() - began, drafted_ahead)
     return GenerationResult(
         output.view(count, rows, cols),
         forward_passes=counts["passes"],
@@ -305,14 +305,14 @@ def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, drafter: SSDRowD
     row_start = run.row * cols
     reach = run.committed + window if window else torch.full_like(run.committed, 2 * cols)
     end = row_start + torch.minimum(reach, torch.full_like(reach, cols))
+    drafted_ahead = False
     if run.lookahead:
-        ahead = run.active & (reach > cols) & (run.row < run.rows - 1)
-        if config.lookahead_confidence > 0 and bool(ahead.any()):
-            ahead &= _open_draft_log_probability(run, cols) >= math.log(config.lookahead_confidence)
+        ahead = _may_look_ahead(run, config) & (reach > cols)
         if bool(ahead.any()):
             unready = torch.nonzero(ahead & ~run.next_ready)[:, 0]
             if len(unready):
                 _draft_next_rows(run, drafter, unready)
+                drafted_ahead = True
             end = end + torch.where(ahead, (reach - cols).clamp(max=cols), 0)
             counts["lookahead"] += int(ahead.sum())
     lengths = torch.where(run.active, end - run.cached, 1)
@@ -320,7 +320,20 @@ def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, drafter: SSDRowD
     positions = (run.cached[:, None] + torch.arange(width, device=lengths.device)).clamp(max=run.grid.shape[1] - 1)
     tokens = run.grid.gather(1, positions)
     starts = torch.where(run.active, run.cached, 0)
-    return backbone.step_ragged(state, tokens, starts), lengths, starts
+    return backbone.step_ragged(state, tokens, starts), lengths, starts, drafted_ahead
+
+
+def _may_look_ahead(run: _Slots, config) -> torch.Tensor:
+    """(B,) bool: the slots a pass reaching their row's end would take into the next row (lookahead on, a row
+    below, the confidence gate cleared)."""
+    if not run.lookahead:
+        return torch.zeros_like(run.active)
+    eligible = run.active & (run.row < run.rows - 1)
+    if config.lookahead_confidence > 0 and bool(eligible.any()):
+        eligible &= _open_draft_log_probability(run, run.drafts.tokens.shape[1]) >= math.log(
+            config.lookahead_confidence
+        )
+    return eligible
 
 
 def _open_draft_log_probability(run: _Slots, cols: int) -> torch.Tensor:
@@ -570,31 +583,44 @@ class _WindowChooser:
         self.seconds_by_length = torch.tensor(
             [0.0] + [self._pass_seconds(n) for n in range(1, 2 * cols + 2)], dtype=torch.float64
         )
-        self.overhead = 0.0  # drafting and testing per pass, measured as the generation runs
-        self.overhead_count = 0
+        # Drafting and testing per round beyond its pass, measured as the generation runs (running means): rounds
+        # that draft next rows ahead (lookahead) apart from the others, so that a window is charged for the
+        # drafting it makes a round do.
+        self.overhead = {False: 0.0, True: 0.0}
+        self.overhead_count = {False: 0, True: 0}
         self.last_pass = 0.0
 
-    def choose(self, run: _Slots) -> int:
-        """All candidate windows at once: (W, B) expected tokens and run lengths, one argmax (the first best)."""
+    def choose(self, run: _Slots, may_look_ahead: torch.Tensor | None = None) -> int:
+        """All candidate windows at once: (W, B) expected tokens and run lengths, one argmax (the first best).
+        `may_look_ahead` (B,) bool: slots whose window past their row's end goes on into the next row."""
         rate = (run.accepted + self.prior * self.prior_weight) / (run.tested + self.prior_weight)  # (B,)
-        remaining = (self.cols - run.committed).clamp(min=1)
-        if self.lookahead:  # a window past the row's end goes on into the next row
-            remaining = remaining + torch.where(run.row < self.rows - 1, self.cols, 0)
+        open_in_row = (self.cols - run.committed).clamp(min=1)
+        ahead = may_look_ahead if self.lookahead and may_look_ahead is not None else torch.zeros_like(run.active)
+        remaining = open_in_row + torch.where(ahead, self.cols, 0)
         lag = run.row * self.cols + run.committed - run.cached  # committed tokens the cache lacks (0 or 1)
         windows = torch.arange(1, int(remaining.max()) + 1, device=remaining.device)  # (W,)
         w = torch.minimum(remaining[None], windows[:, None]).double()  # (W, B)
         rate = rate.double()[None]
         expected = torch.where(run.active[None], (1 - rate**w) / (1 - rate).clamp(min=1e-6), 0.0).sum(1)  # (W,)
         length = torch.where(run.active[None], w.long() + lag[None], 1).amax(1).clamp(max=2 * self.cols + 1)
-        seconds = self.seconds_by_length[length.cpu()].to(expected.device) + self.overhead
-        best = int(torch.argmax(expected / seconds))
+        # A window that takes an image whose next row is not drafted yet past its row's end costs that drafting.
+        unready = ahead & ~run.next_ready if self.lookahead else ahead  # (B,)
+        drafts_ahead = ((windows[:, None] > open_in_row[None]) & unready[None]).any(1).cpu()
+        ahead_seconds = self.overhead[True] if self.overhead_count[True] else self.overhead[False]
+        overhead = torch.where(drafts_ahead, ahead_seconds, self.overhead[False]).double()
+        seconds = self.seconds_by_length[length.cpu()] + overhead
+        best = int(torch.argmax(expected.cpu() / seconds))
         self.last_pass = float(self.seconds_by_length[int(length[best])])
         return int(windows[best])
 
-    def observe(self, seconds: float) -> None:
-        """A round's wall-clock: what it took beyond its pass is the drafting overhead (running mean)."""
-        self.overhead_count += 1
-        self.overhead += (max(0.0, seconds - self.last_pass) - self.overhead) / self.overhead_count
+    def observe(self, seconds: float, drafted_ahead: bool = False) -> None:
+        """A round's wall-clock: what it took beyond its pass is drafting and testing, kept apart for rounds that
+        drafted next rows ahead."""
+        self.overhead_count[drafted_ahead] += 1
+        mean = self.overhead[drafted_ahead]
+        self.overhead[drafted_ahead] = (
+            mean + (max(0.0, seconds - self.last_pass) - mean) / self.overhead_count[drafted_ahead]
+        )
 
     def _pass_seconds(self, length: int) -> float:
         lengths, seconds = self.lengths, self.seconds
