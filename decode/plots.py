@@ -96,8 +96,11 @@ def plot_throughput(reports: list[dict], path: str | Path) -> bool:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     first = reports[0]
+    counts = sorted({report["num_images"] for report in reports})  # runs at several batch sizes may differ
+    images = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    seeds = len(first["seeds"])
     title = (
-        f"{first['num_images']} images x {len(first['seeds'])} seeds, CFG {first['sampling']['cfg_scale']}, "
+        f"{images} images x {seeds} seed{'s' if seeds > 1 else ''}, CFG {first['sampling']['cfg_scale']}, "
         f"{first['device']} ({first['torch_threads']} threads)"
     )
     return _save(plt, figure, title, path)

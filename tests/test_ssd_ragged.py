@@ -202,3 +202,35 @@ def test_prefix_mode_spends_at_most_rounds_plus_one_passes_per_row_and_is_exact_
     assert not torch.equal(one_pass.tokens, ar)
     generous = _ragged(tiny_backbone, heads, QUEUE, sampling, mode="prefix", rounds=100, slots=3)
     assert torch.equal(generous.tokens, ar)
+
+
+def test_the_window_chooser_charges_lookahead_drafting_to_the_windows_that_cause_it(tiny_backbone):
+    """Flat pass costs and every draft passing: the chooser takes the longest window, past the row's end. Once
+    rounds that draft the next row ahead have cost far more than the others, it stops at the row's end for an
+    image whose next row is not drafted yet, and goes past it again where that row is drafted already."""
+    from types import SimpleNamespace
+
+    from decode.ssd_ragged import _WindowChooser
+
+    cols = tiny_backbone.geometry.cols
+    state, _ = tiny_backbone.prefill(Condition(class_ids=torch.tensor([1])), guided=True)
+    chooser = _WindowChooser(tiny_backbone, state, 1, cols, guided=True, lookahead=True)
+    chooser.seconds_by_length = torch.full_like(chooser.seconds_by_length, 1.0)  # every pass length costs 1 s
+    one = torch.ones(1, dtype=torch.long)
+    run = SimpleNamespace(
+        accepted=torch.full((1,), 1000.0),
+        tested=torch.full((1,), 1000.0),
+        committed=one * 2,
+        row=one,
+        cached=one * (cols + 2),
+        active=torch.ones(1, dtype=torch.bool),
+        next_ready=torch.zeros(1, dtype=torch.bool),
+    )
+    may = torch.ones(1, dtype=torch.bool)
+    assert chooser.choose(run, may) == 2 * cols - 2  # the rest of the row and the whole next row
+    chooser.observe(1.0 + 0.1, drafted_ahead=False)
+    chooser.observe(1.0 + 10.0, drafted_ahead=True)
+    assert chooser.choose(run, may) == cols - 2  # drafting ahead costs 10 s: stop at the row's end
+    run.next_ready[:] = True
+    assert chooser.choose(run, may) == 2 * cols - 2  # drafted already: going on costs nothing extra
+    assert chooser.choose(run, torch.zeros(1, dtype=torch.bool)) == cols - 2  # no lookahead for this image
