@@ -385,8 +385,21 @@ class ARImageBackbone(nn.Module, ABC):
     # ---- shared mechanics ------------------------------------------------------------------
 
     def cache_capacity(self, prefix_length: int) -> int:
-        """Cache positions of the prompt and the whole image (with its end-of-line tokens)."""
+        """Cache positions of the prompt and the whole image (with its end-of-line tokens); the prompt's alone
+        inside `prefill_prompts`."""
+        if getattr(self, "_prompt_caches_only", False):
+            return prefix_length
         return prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
+
+    def prefill_prompts(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
+        """`prefill` into caches sized for the prompts alone: images of a continuous batch's queue prefilled
+        ahead of their slots, whose prompt part `replace_images` copies into the running batch (a cache for
+        the whole image per queued image would double a batch's memory). The state can take no `step`."""
+        self._prompt_caches_only = True
+        try:
+            return self.prefill(condition, guided)
+        finally:
+            self._prompt_caches_only = False
 
     def image_cache(self, num_layers: int, prefix_length: int):
         """A KV cache preallocated for the prompt and the whole image (`cache_capacity`).
@@ -553,29 +566,36 @@ class ARImageBackbone(nn.Module, ABC):
         take = torch.cat([take, take]) if state.guided else take
         return hidden.gather(1, take[:, :, None].expand(-1, -1, hidden.shape[-1]))
 
-    def replace_images(self, state: DecodeState, images: torch.Tensor, fresh: DecodeState) -> None:
-        """Continuous batching: images ``images`` (k,) of `state` start over as the k images of `fresh` (a new
-        `prefill` of their conditions): the prompt part of their cache rows (both twins under guidance) and
-        their family extras (class ids, prompt masks) are copied in. Their image slots are left as they are
-        (stale, overwritten by the next ragged passes). Needs the same prompt length and guidance."""
+    def replace_images(
+        self, state: DecodeState, images: torch.Tensor, fresh: DecodeState, fresh_images: torch.Tensor | None = None
+    ) -> None:
+        """Continuous batching: images ``images`` (k,) of `state` start over as the k images ``fresh_images`` (k,)
+        of `fresh` (a new `prefill` or `prefill_prompts` of their conditions; default: all of its images): the
+        prompt part of their cache rows (both twins under guidance) and their family extras (class ids, prompt
+        masks) are copied in. Their image slots are left as they are (stale, overwritten by the next ragged
+        passes). Needs the same prompt length and guidance."""
         if fresh.prefix_length != state.prefix_length or fresh.guided != state.guided:
             raise ValueError(
                 f"replace_images needs the same prompt length and guidance: the batch has {state.prefix_length} "
                 f"prompt slots (guided={state.guided}), the new images {fresh.prefix_length} "
                 f"(guided={fresh.guided}); group the queue by prompt length (backbones.base.group_by_prompt_length)"
             )
-        if images.shape[0] != fresh.batch_size:
-            raise ValueError(f"replace_images got {images.shape[0]} images for {fresh.batch_size} new ones")
+        if fresh_images is None:
+            fresh_images = torch.arange(fresh.batch_size, device=images.device)
+        if images.shape[0] != fresh_images.shape[0]:
+            raise ValueError(f"replace_images got {images.shape[0]} images for {fresh_images.shape[0]} new ones")
         rows = torch.cat([images, images + state.batch_size]) if state.guided else images
+        fresh_rows = torch.cat([fresh_images, fresh_images + fresh.batch_size]) if fresh.guided else fresh_images
         prefix = state.prefix_length
         for layer, new in zip(state.cache.layers, fresh.cache.layers):
             for name in ("_key_buffer", "_value_buffer"):
-                getattr(layer, name)[rows.to(getattr(layer, name).device), :, :prefix] = getattr(new, name)[
-                    :, :, :prefix
+                buffer = getattr(layer, name)
+                buffer[rows.to(buffer.device), :, :prefix] = getattr(new, name)[
+                    fresh_rows.to(buffer.device), :, :prefix
                 ]
         for key, value in fresh.extras.items():
             if isinstance(value, torch.Tensor) and value.shape[0] == fresh.cache_rows:
-                state.extras[key][rows.to(value.device)] = value
+                state.extras[key][rows.to(value.device)] = value[fresh_rows.to(value.device)]
             else:
                 raise ValueError(f"replace_images cannot merge {type(self).__name__}'s extra {key!r} row by row")
 

@@ -10,6 +10,7 @@ backbones take balanced class ids instead.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,21 +113,56 @@ def condition_rows(condition: Condition, indices: list[int]) -> Condition:
     return Condition(prompts=[condition.prompts[i] for i in indices])
 
 
-def refill_slots(backbone: ARImageBackbone, state, condition: Condition, queue, freed: torch.Tensor, guided: bool):
-    """Start the next images of `queue` (a deque of condition indices) in the `freed` slots of a running batch: as
-    many as the queue holds, each prefilled and swapped into `state` (`ARImageBackbone.replace_images`).
+class PromptQueue:
+    """The conditions a continuous batch starts next, in queue order, their prompts prefilled `ahead` at a time.
 
-    Returns (slots refilled, their image indices, the prefill's first states): the slots are the first of `freed`
-    (the rest stay empty); with the queue empty, no slots and None, None. One backbone pass (the prefill) is spent
-    when slots are refilled.
+    A refill that finds no prefilled prompt left spends one backbone pass on the next `ahead` (at least as many
+    as it needs) in prompt-sized caches (`ARImageBackbone.prefill_prompts`); the refills after it copy from
+    them without a pass. With `ahead` 1 every refill round spends its own pass, as one prefill per round would.
+    """
+
+    def __init__(self, backbone: ARImageBackbone, condition: Condition, indices, guided: bool, ahead: int):
+        if ahead < 1:
+            raise ValueError(f"a prompt queue prefills at least one prompt at a time, got ahead={ahead}")
+        self.backbone, self.condition, self.guided, self.ahead = backbone, condition, guided, ahead
+        self.waiting = deque(indices)  # condition indices not prefilled yet
+        self.ready: list[int] = []  # prefilled, not started yet: their rows of `self.state` in `self.rows`
+        self.rows: list[int] = []
+        self.state = None
+        self.first: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.waiting)
+
+    def take(self, count: int):
+        """The next `count` images: (their condition indices, the prefilled state holding them, their images in
+        it (count,), their first states (rows, 1, H), whether a pass was spent prefilling)."""
+        prefilled = len(self.ready) < count
+        if prefilled:  # the ones left are prefilled again with the next, in one pass
+            self.waiting.extendleft(reversed(self.ready))
+            fill = [self.waiting.popleft() for _ in range(min(len(self.waiting), max(count, self.ahead)))]
+            self.state, self.first = self.backbone.prefill_prompts(condition_rows(self.condition, fill), self.guided)
+            self.ready, self.rows = fill, list(range(len(fill)))
+        images, rows = self.ready[:count], self.rows[:count]
+        self.ready, self.rows = self.ready[count:], self.rows[count:]
+        rows = torch.tensor(rows, device=self.first.device)
+        twin_rows = torch.cat([rows, rows + self.state.batch_size]) if self.guided else rows
+        return images, self.state, rows, self.first[twin_rows], prefilled
+
+
+def refill_slots(backbone: ARImageBackbone, state, queue: PromptQueue, freed: torch.Tensor):
+    """Start the next images of `queue` in the `freed` slots of a running batch: as many as the queue holds, their
+    prompts swapped into `state` (`ARImageBackbone.replace_images`).
+
+    Returns (slots refilled, their image indices, their first states, whether a backbone pass was spent): the
+    slots are the first of `freed` (the rest stay empty); with the queue empty, no slots, None, None, False.
     """
     refill = freed[: len(queue)]
     if not len(refill):
-        return refill, None, None
-    images = torch.tensor([queue.popleft() for _ in range(len(refill))], device=freed.device)
-    fresh, first = backbone.prefill(condition_rows(condition, images.tolist()), guided)
-    backbone.replace_images(state, refill, fresh)
-    return refill, images, first
+        return refill, None, None, False
+    images, fresh, rows, first, prefilled = queue.take(len(refill))
+    backbone.replace_images(state, refill, fresh, rows.to(refill.device))
+    return refill, torch.tensor(images, device=freed.device), first, prefilled
 
 
 def is_text_to_image(backbone: ARImageBackbone) -> bool:

@@ -20,7 +20,6 @@ number of slots.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from backbones.base import ARImageBackbone, Condition
 from backbones.hf_loading import positional_arguments
 from backbones.kv_cache import ragged_slots, writing_at
-from decode.conditions import condition_rows, refill_slots
+from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import first_true, residual_distribution
@@ -92,7 +91,7 @@ def generate_eagle_ragged(
     seed = seeds[:slots].to(device)
     committed = torch.zeros(slots, dtype=torch.long, device=device)
     head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
-    queue = deque(range(slots, count))
+    queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
     counts = {"passes": 1, "drafted": 0, "accepted": 0}
 
     def twin(rows: torch.Tensor) -> torch.Tensor:
@@ -184,9 +183,9 @@ def generate_eagle_ragged(
         done = torch.nonzero(active & (committed >= total))[:, 0]
         if len(done):
             output[image[done]] = tokens[done]
-            refill, images, fresh_first = refill_slots(backbone, state, condition, queue, done, sampling.guided)
+            refill, images, fresh_first, prefilled = refill_slots(backbone, state, queue, done)
+            counts["passes"] += int(prefilled)
             if len(refill):
-                counts["passes"] += 1
                 image[refill], seed[refill] = images, seeds[images.to(seeds.device)].to(device)
                 start(refill, fresh_first)
             image[done[len(refill) :]] = -1

@@ -56,14 +56,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from backbones.base import ARImageBackbone, Condition
-from decode.conditions import condition_rows, refill_slots
+from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.pass_cost import median_seconds
 from decode.result import GenerationResult
@@ -188,7 +187,7 @@ def generate_ssd_ragged(
     drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config.drafting(), device)
     run = _Slots(backbone, drafter, slots, device, first.dtype, config.lookahead)
     output = torch.zeros(count, rows * cols, dtype=torch.long, device=device)
-    queue = deque(range(slots, count))
+    queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
     chooser = (
         _WindowChooser(backbone, state, slots, cols, sampling.guided, config.lookahead)
         if config.window == "auto"
@@ -215,9 +214,9 @@ def generate_ssd_ragged(
             more_done, moved = _finish_rows(run, drafter, output, rows, deferred, among)
             done = torch.cat([done, more_done])
         if len(done):
-            refill, images, fresh_first = refill_slots(backbone, state, condition, queue, done, sampling.guided)
+            refill, images, fresh_first, prefilled = refill_slots(backbone, state, queue, done)
+            counts["passes"] += int(prefilled)
             if len(refill):
-                counts["passes"] += 1
                 _start_images(run, drafter, refill, images, seeds, fresh_first)
             run.image[done[len(refill) :]] = -1
         if chooser is not None:

@@ -109,7 +109,7 @@ def _leak_feed_from_the_next_image(monkeypatch):
 
 def _leak_keep_the_previous_prompt(monkeypatch):
     """A refilled slot keeps the previous image's prompt (its class) in the cache."""
-    monkeypatch.setattr(ARImageBackbone, "replace_images", lambda self, state, images, fresh: None)
+    monkeypatch.setattr(ARImageBackbone, "replace_images", lambda self, state, images, fresh, fresh_images=None: None)
 
 
 @pytest.mark.parametrize("leak", [_leak_feed_from_the_next_image, _leak_keep_the_previous_prompt])
@@ -234,3 +234,25 @@ def test_the_window_chooser_charges_lookahead_drafting_to_the_windows_that_cause
     run.next_ready[:] = True
     assert chooser.choose(run, may) == 2 * cols - 2  # drafted already: going on costs nothing extra
     assert chooser.choose(run, torch.zeros(1, dtype=torch.bool)) == cols - 2  # no lookahead for this image
+
+
+def test_queued_prompts_are_prefilled_a_batch_at_a_time_into_prompt_sized_caches(tiny_backbone, monkeypatch):
+    """Refills take their prompts from prefills of up to `slots` queued images at once, one pass each, into caches
+    that hold the prompt alone; an image's tokens are the ones it gets when each refill round prefills its own."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    alone = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=1, window=0)
+    calls = []
+    original = ARImageBackbone.prefill_prompts
+
+    def counted(self, condition, guided):
+        state, first = original(self, condition, guided)
+        calls.append((condition.batch_size, state.cache.layers[0]._key_buffer.shape[-2], state.prefix_length))
+        return state, first
+
+    monkeypatch.setattr(ARImageBackbone, "prefill_prompts", counted)
+    batched = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=4, window=2)
+    assert torch.equal(batched.tokens, alone.tokens)
+    assert 2 <= len(calls) <= 3  # 6 queued images, 4 at a time (a third pass where a refill needs more than is left)
+    assert all(size >= 2 for size, _, _ in calls)
+    assert all(capacity == prefix for _, capacity, prefix in calls)  # no cache for the image in the queue
