@@ -15,7 +15,8 @@ Here each of the ``slots`` images has its own frontier:
 3. An image whose row is final starts its next row at once (vertical head over the finished row; the grid or
    horizontal head along it from the first token, which is drawn from the backbone where the pass gave its
    state and drafted otherwise); an image whose last row is final leaves its slot to the next condition of the
-   queue (`ARImageBackbone.replace_images` over a fresh prefill).
+   queue (`ARImageBackbone.replace_images` from the queue's prompts, prefilled up to `slots` at a time in one pass:
+   `decode.conditions.PromptQueue`).
 
 Exactness: each image's tokens are produced by the exact speculative-sampling rule applied to its own drafts
 and its own target distributions; which positions a pass verifies (the window, the cost model) and when an
