@@ -198,8 +198,11 @@ def generate_ssd_ragged(
     _start_images(run, drafter, torch.arange(slots, device=device), torch.arange(slots, device=device), seeds, first)
     while bool(run.active.any()):
         began = time.perf_counter()
-        window = chooser.choose(run, _may_look_ahead(run, config)) if chooser is not None else config.window
-        out, lengths, starts, drafted_ahead = _ragged_pass(backbone, state, run, drafter, window, config, counts)
+        may_look_ahead = _may_look_ahead(run, config)  # (B,): once per round, for the chooser and the pass
+        window = chooser.choose(run, may_look_ahead) if chooser is not None else config.window
+        out, lengths, starts, drafted_ahead = _ragged_pass(
+            backbone, state, run, drafter, window, may_look_ahead, counts
+        )
         counts["passes"] += 1
         counts["window_sum"] += window or cols
         counts["window_passes"] += 1
@@ -296,18 +299,20 @@ def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: b
     drafter.redraft(run.drafts, 0 if first_row else 1, slots, positions, exact_state, above_prepared, uniforms=uniforms)
 
 
-def _ragged_pass(backbone: ARImageBackbone, state, run: _Slots, drafter: SSDRowDrafter, window: int, config, counts):
+def _ragged_pass(
+    backbone: ARImageBackbone, state, run: _Slots, drafter: SSDRowDrafter, window: int, may_look_ahead, counts
+):
     """Feed every image from its first open cache slot to `window` open positions after its committed ones
     (0: its row's end); with lookahead, a run that reaches its row's end goes on into the next row's drafts (up
-    to the window; 0: to that row's end). One ragged pass. Returns the states (rows, T, H), each image's run
-    length and its first grid position."""
+    to the window; 0: to that row's end) for the slots `may_look_ahead` (B,) allows. One ragged pass. Returns the
+    states (rows, T, H), each image's run length, its first grid position and whether next rows were drafted."""
     cols = drafter.cols
     row_start = run.row * cols
     reach = run.committed + window if window else torch.full_like(run.committed, 2 * cols)
     end = row_start + torch.minimum(reach, torch.full_like(reach, cols))
     drafted_ahead = False
     if run.lookahead:
-        ahead = _may_look_ahead(run, config) & (reach > cols)
+        ahead = may_look_ahead & (reach > cols)
         if bool(ahead.any()):
             unready = torch.nonzero(ahead & ~run.next_ready)[:, 0]
             if len(unready):
@@ -527,9 +532,10 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferre
             _draw_first(run, drafter, known, run.states[twin_known, 0])
     if run.lookahead:
         run.epoch_known[going] = run.state_known[going, :cols]
-        known = known[:0]  # drafted ahead: nothing to re-draft from the first token
     run.grid[going[:, None], (run.row[going] * cols)[:, None] + arange[None]] = run.drafts.tokens[going]
-    _redraft_and_write(run, drafter, deferred, known if len(known) else None)
+    # Rows that start from a first token the backbone gave are re-drafted along from it (lookahead drafted ahead).
+    starting = known if len(known) and not run.lookahead else None
+    _redraft_and_write(run, drafter, deferred, starting)
     return done, ahead
 
 
