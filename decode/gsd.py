@@ -59,17 +59,22 @@ def generate_gsd(
     config: GSDDecodeConfig = GSDDecodeConfig(),
 ) -> GenerationResult:
     """GSD: speculative Jacobi iterations with the grouped test."""
-    embeddings = backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=backbone._device()))
-
-    def accept(p, q, drafts, uniforms):
-        members, in_group = token_group(
-            p, drafts, embeddings, config.rank_radius, config.probability_gap, config.max_distance
-        )
-        return grouped_accept(p, q, members, in_group, uniforms)
-
+    accept = grouped_test(backbone, config.rank_radius, config.probability_gap, config.max_distance)
     return generate_jacobi(
         backbone, condition, sampling, generator, SJDDecodeConfig(config.window, config.init), accept
     )
+
+
+def grouped_test(backbone: ARImageBackbone, rank_radius: int, probability_gap: float, max_distance: float):
+    """GSD's acceptance rule ``accept(p, q, drafts, uniforms)`` over the groups of this backbone's image tokens
+    (decode/rules.py `token_group`, `grouped_accept`); shared by decode/gsd_ragged.py."""
+    embeddings = backbone.embed_image_tokens(torch.arange(backbone.codebook_size, device=backbone._device()))
+
+    def accept(p, q, drafts, uniforms):
+        members, in_group = token_group(p, drafts, embeddings, rank_radius, probability_gap, max_distance)
+        return grouped_accept(p, q, members, in_group, uniforms)
+
+    return accept
 
 
 def _generate(backbone, _artefact, condition, sampling, generator, settings: GSDDecodeConfig) -> GenerationResult:

@@ -70,6 +70,9 @@ PEER_CASES = [
     ("gsd", "decode.gsd", {}),
     ("gsd_r0", "decode.gsd", {"rank_radius": 0}),
     ("gsd_loose", "decode.gsd", {"probability_gap": 1.0, "max_distance": 1e9}),  # groups on the tiny backbone
+    ("sjd_ragged", "decode.sjd_ragged", {}),
+    ("sjd_ragged_w3_repeat_left_slots2", "decode.sjd_ragged", {"window": 3, "init": "repeat_left", "slots": 2}),
+    ("gsd_ragged_loose_slots2", "decode.gsd_ragged", {"probability_gap": 1.0, "max_distance": 1e9, "slots": 2}),
     ("zipar_w2", "decode.zipar", {"window": 2}),
     ("zipar_w5", "decode.zipar", {"window": 5}),
     ("eagle", "decode.eagle", {}),

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import random_ssd_heads
 from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
+from ragged_leaks import PLANTED_LEAKS
 from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import ARImageBackbone, Condition
@@ -97,22 +98,7 @@ def test_an_image_gets_the_same_tokens_whatever_its_batch_and_window(tiny_backbo
         assert torch.equal(batched.tokens, alone.tokens), (slots, window, confidence)
 
 
-def _leak_feed_from_the_next_image(monkeypatch):
-    """Every image's run is fed at the next image's frontier."""
-    original = ARImageBackbone.step_ragged
-
-    def leaky(self, state, tokens, starts):
-        return original(self, state, tokens, starts.roll(1))
-
-    monkeypatch.setattr(ARImageBackbone, "step_ragged", leaky)
-
-
-def _leak_keep_the_previous_prompt(monkeypatch):
-    """A refilled slot keeps the previous image's prompt (its class) in the cache."""
-    monkeypatch.setattr(ARImageBackbone, "replace_images", lambda self, state, images, fresh, fresh_images=None: None)
-
-
-@pytest.mark.parametrize("leak", [_leak_feed_from_the_next_image, _leak_keep_the_previous_prompt])
+@pytest.mark.parametrize("leak", PLANTED_LEAKS)
 def test_a_planted_leak_between_images_is_caught(tiny_backbone, leak, monkeypatch):
     """Sampled tokens are sensitive to any change of an image's target (a uniform meets another threshold):
     with the leak, images in a batch of four no longer get the tokens they get alone."""
