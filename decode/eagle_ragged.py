@@ -12,6 +12,16 @@ re-feeds its committed tokens, so at batch 16 every image pays for the slowest o
    ``norm(max(0, p - q))``, and if every draft passes the pass's last state gives one more token;
 4. an image that is done leaves its slot to the next condition of the queue.
 
+Cost-aware depth (``depth: auto``): before each round the generator picks the chain depth ``d`` (1 ..
+``max_depth``) that maximises the expected committed tokens per second: ``1 + sum_{k<=d} prod_{j<=k} a_j`` per
+image, ``a_j`` the acceptance of the chain's j-th draft measured so far (drafts that the test reached; a prior of
+0.7 with 8 pseudo-counts), over the round's cost: a ragged pass of ``d + 1`` tokens per image measured at start-up
+at this batch size (`decode.pass_cost.ragged_pass_seconds`), ``d`` head steps and the rest of a round, both
+measured as the generation runs. The depth only decides how many drafts are made and tested, from what happened
+before the round, so the method stays exact; but an image's drafts then depend on the depths chosen (a draft of a
+position made after a shorter chain is a new draw from other head states), so its tokens depend on its batch.
+With a fixed depth they do not.
+
 Exact for the reasons decode/eagle.py is: each image's tokens come from speculative sampling of its own drafts
 against its own target states (the states `step` would give it alone). Uniforms are keyed per image and event
 (`decode.sampling.keyed_uniforms`), so an image's tokens do not depend on the images beside it or on the
@@ -20,7 +30,9 @@ number of slots.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,6 +41,7 @@ from backbones.hf_loading import positional_arguments
 from backbones.kv_cache import ragged_slots, writing_at
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
+from decode.pass_cost import ragged_pass_seconds
 from decode.result import GenerationResult
 from decode.rules import first_true, residual_distribution
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with, token_distribution
@@ -42,12 +55,17 @@ _DRAFT, _TEST, _RESIDUAL, _TARGET = 0, 1, 2, 3  # what a keyed uniform is for
 class RaggedEagleConfig:
     """How long a chain each image drafts per round, and how many images are decoded at once."""
 
-    depth: int = 6  # drafts per image and pass (decode/eagle.py's default)
+    depth: int | Literal["auto"] = 6  # drafts per image and pass (decode/eagle.py's default); auto: by cost
     slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
+    max_depth: int = 8  # depth auto: the longest chain it may choose
 
     def __post_init__(self):
-        if self.depth < 1 or self.slots < 0:
-            raise ValueError(f"ragged EAGLE needs depth >= 1 and slots >= 0, got {self.depth} and {self.slots}")
+        depth_ok = self.depth == "auto" or (isinstance(self.depth, int) and self.depth >= 1)
+        if not depth_ok or self.slots < 0 or self.max_depth < 1:
+            raise ValueError(
+                f"ragged EAGLE needs depth >= 1 or 'auto', slots >= 0 and max_depth >= 1, got {self.depth!r}, "
+                f"{self.slots} and {self.max_depth}"
+            )
 
 
 def _head_step(head: EagleHead, cache, states, embeddings, starts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -92,7 +110,10 @@ def generate_eagle_ragged(
     committed = torch.zeros(slots, dtype=torch.long, device=device)
     head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
-    counts = {"passes": 1, "drafted": 0, "accepted": 0}
+    longest = config.max_depth if config.depth == "auto" else config.depth
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0}
+    counts |= {f"{kind}_at_draft_step_{j + 1}": 0 for j in range(longest) for kind in ("drafted", "accepted")}
+    chooser = _DepthChooser(backbone, state, slots, sampling.guided, longest) if config.depth == "auto" else None
 
     def twin(rows: torch.Tensor) -> torch.Tensor:
         return torch.cat([rows + k * slots for k in range(twins)])
@@ -109,6 +130,7 @@ def generate_eagle_ragged(
 
     start(torch.arange(slots, device=device), first)
     while bool((image >= 0).any()):
+        round_began = time.perf_counter()
         active = image >= 0
         frontier = torch.where(active, committed, 1)  # an empty slot drafts at position 1 and is ignored
         # 1. Catch-up: each image's positions [head_cached, frontier) with their true states and tokens.
@@ -127,7 +149,8 @@ def generate_eagle_ragged(
         predicted = caught[torch.arange(caught.shape[0], device=device), last][:, None]  # predicts `frontier`
         head_cached = frontier.clone()
         # 2. The chain, every image from its own frontier.
-        depth = min(config.depth, total - int(frontier.min()))
+        depth = min(chooser.choose() if chooser else config.depth, total - int(frontier.min()))
+        chain_began = time.perf_counter()
         chain = torch.zeros(slots, depth, dtype=torch.long, device=device)
         q = torch.zeros(slots, depth, backbone.codebook_size, device=device)
         rows = torch.arange(slots, device=device)
@@ -140,6 +163,7 @@ def generate_eagle_ragged(
             if j < depth - 1:
                 embedded = backbone.embed_image_tokens(chain[:, j : j + 1]).repeat(twins, 1, 1)
                 predicted = _head_step(head, cache, predicted, embedded, (frontier + j).repeat(twins), total)
+        chain_seconds = time.perf_counter() - chain_began
         # 3. One ragged pass: the last committed token and the chain.
         feed = torch.cat([tokens.gather(1, (frontier - 1)[:, None]), chain], dim=1)
         out = backbone.step_ragged(state, feed, frontier - 1)  # out[:, k] predicts frontier + k
@@ -154,8 +178,15 @@ def generate_eagle_ragged(
         passed = accept(p[:, :depth], q, chain, test_uniform)
         rejected_at = first_true(inside & ~passed, depth)
         kept = torch.minimum(rejected_at, inside.sum(1))  # drafts accepted
-        counts["drafted"] += int((inside & (offsets[None] <= rejected_at[:, None])).sum())
+        reached = inside & (offsets[None] <= rejected_at[:, None])  # drafts the test reached
+        reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < rejected_at[:, None])).sum(0)
+        for j in range(depth):
+            counts[f"drafted_at_draft_step_{j + 1}"] += int(reached_by_step[j])
+            counts[f"accepted_at_draft_step_{j + 1}"] += int(kept_by_step[j])
+        counts["drafted"] += int(reached.sum())
         counts["accepted"] += int(kept.sum())
+        counts["window_sum"] += depth
+        counts["window_passes"] += 1
         # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
         at = kept.clamp(max=depth)
         next_position = frontier + at
@@ -179,6 +210,8 @@ def generate_eagle_ragged(
         twin_rows = torch.arange(out.shape[0], device=device)[:, None].expand_as(twin_positions)
         true_states[twin_rows[twin_final], twin_positions[twin_final]] = out[twin_final]
         committed = new_committed
+        if chooser:
+            chooser.observe(time.perf_counter() - round_began, chain_seconds, depth, reached_by_step, kept_by_step)
         # 4. Images that are done: written out, their slots to the next of the queue.
         done = torch.nonzero(active & (committed >= total))[:, 0]
         if len(done):
@@ -195,7 +228,39 @@ def generate_eagle_ragged(
         forward_passes=counts["passes"],
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
+        extras={k: v for k, v in counts.items() if k not in ("passes", "drafted", "accepted")},
     )
+
+
+class _DepthChooser:
+    """Cost-aware chain depth: the depth that maximises the expected committed tokens per second (module doc)."""
+
+    def __init__(self, backbone: ARImageBackbone, state, batch: int, guided: bool, max_depth: int, prior=0.7):
+        self.prior, self.prior_weight = prior, 8.0
+        # A round feeds the last committed token and d drafts: a pass of d + 1 tokens per image.
+        lengths = list(range(2, max_depth + 2))
+        self.pass_seconds = torch.tensor(ragged_pass_seconds(backbone, state, batch, guided, lengths))
+        self.reached = torch.zeros(max_depth, dtype=torch.float64)
+        self.kept = torch.zeros(max_depth, dtype=torch.float64)
+        self.step_seconds, self.other_seconds, self.rounds = 0.0, 0.0, 0
+
+    def choose(self) -> int:
+        """The depth (1 .. max_depth) of the best expected tokens per second, from what the rounds so far gave."""
+        rate = (self.kept + self.prior * self.prior_weight) / (self.reached + self.prior_weight)
+        expected = 1 + torch.cumprod(rate, 0).cumsum(0)  # tokens per image at depth 1, 2, ...
+        depths = torch.arange(1, len(rate) + 1, dtype=torch.float64)
+        seconds = self.pass_seconds.double() + depths * self.step_seconds + self.other_seconds
+        return int(torch.argmax(expected / seconds)) + 1
+
+    def observe(self, round_seconds: float, chain_seconds: float, depth: int, reached, kept) -> None:
+        """A round's figures: its drafts reached and kept by the test at each chain step, and its wall-clock beyond
+        the pass (its chain per head step; the rest: catch-up, testing, committing)."""
+        self.reached[:depth] += reached.double().cpu()
+        self.kept[:depth] += kept.double().cpu()
+        self.rounds += 1
+        other = max(0.0, round_seconds - chain_seconds - float(self.pass_seconds[depth - 1]))
+        self.step_seconds += (chain_seconds / depth - self.step_seconds) / self.rounds
+        self.other_seconds += (other - self.other_seconds) / self.rounds
 
 
 def _generate(backbone, head, condition, sampling, generator, settings: RaggedEagleConfig) -> GenerationResult:

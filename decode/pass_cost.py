@@ -153,3 +153,27 @@ def drafting_costs(
         "seconds_per_drafted_row": row_seconds,
         "seconds_per_grid_step": max(0.0, row_seconds - vertical_seconds) / max(1, cols - 1),
     }
+
+
+_MEASURED_RAGGED_SECONDS: dict[tuple, list[float]] = {}
+
+
+def ragged_pass_seconds(backbone: ARImageBackbone, state, batch: int, guided: bool, lengths: list[int]) -> list[float]:
+    """The seconds of a ragged pass (`ARImageBackbone.step_ragged`) of each of `lengths` tokens per image at this
+    batch (median of 3 after a warm-up), fed mid-image into `state` and thrown away: a generator calls it at
+    start-up, when the slots it writes lie past every image's final slots. Measured once per backbone, device,
+    batch, guidance and lengths in a process (cost-aware ragged generators: decode/ssd_ragged.py,
+    decode/eagle_ragged.py)."""
+    device = next(backbone.parameters()).device
+    key = (id(backbone), str(device), batch, guided, tuple(lengths))
+    if key not in _MEASURED_RAGGED_SECONDS:
+        middle = backbone.geometry.num_tokens // 2
+        seconds = []
+        for length in lengths:
+            start = max(1, min(middle, backbone.geometry.num_tokens - length))
+            tokens = torch.zeros(batch, length, dtype=torch.long, device=device)
+            starts = torch.full((batch,), start, dtype=torch.long, device=device)
+            call = lambda t=tokens, s=starts: backbone.step_ragged(state, t, s)  # noqa: E731
+            seconds.append(median_seconds(call, device, 3, 1))
+        _MEASURED_RAGGED_SECONDS[key] = seconds
+    return _MEASURED_RAGGED_SECONDS[key]

@@ -65,7 +65,7 @@ import torch
 from backbones.base import ARImageBackbone, Condition
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
-from decode.pass_cost import median_seconds
+from decode.pass_cost import ragged_pass_seconds
 from decode.result import GenerationResult
 from decode.rules import accept_drafts, first_true, probability_of, residual_distribution
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with
@@ -580,11 +580,7 @@ class _WindowChooser:
         self.cols, self.prior, self.prior_weight, self.lookahead = cols, prior, 8.0, lookahead
         self.rows = backbone.geometry.rows
         self.lengths = sorted({1, 2, 3, 4, 6, 8, 12, 16, cols, cols + 1} | ({2 * cols + 1} if lookahead else set()))
-        # Measured once per backbone, batch and guidance in this process ("at start-up"), not per call.
-        key = (id(backbone), str(next(backbone.parameters()).device), batch, guided, tuple(self.lengths))
-        if key not in _MEASURED_PASS_SECONDS:
-            _MEASURED_PASS_SECONDS[key] = _ragged_pass_seconds(backbone, state, batch, self.lengths)
-        self.seconds = _MEASURED_PASS_SECONDS[key]
+        self.seconds = ragged_pass_seconds(backbone, state, batch, guided, self.lengths)
         # Every run length a pass can have (1 .. two rows and a token), its seconds interpolated once.
         self.seconds_by_length = torch.tensor(
             [0.0] + [self._pass_seconds(n) for n in range(1, 2 * cols + 2)], dtype=torch.float64
@@ -636,23 +632,6 @@ class _WindowChooser:
             if length <= b:
                 return sa + (sb - sa) * (length - a) / (b - a)
         return seconds[-1] * length / lengths[-1]
-
-
-_MEASURED_PASS_SECONDS: dict[tuple, list[float]] = {}
-
-
-def _ragged_pass_seconds(backbone: ARImageBackbone, state, batch: int, lengths: list[int]) -> list[float]:
-    """The measured seconds of a ragged pass of each length at this batch (median of 3 after a warm-up), fed
-    mid-image and thrown away (the slots it writes lie past every image's final slots at start-up)."""
-    device = next(backbone.parameters()).device
-    middle = backbone.geometry.num_tokens // 2
-    seconds = []
-    for length in lengths:
-        start = max(1, min(middle, backbone.geometry.num_tokens - length))
-        tokens = torch.zeros(batch, length, dtype=torch.long, device=device)
-        starts = torch.full((batch,), start, dtype=torch.long, device=device)
-        seconds.append(median_seconds(lambda t=tokens, s=starts: backbone.step_ragged(state, t, s), device, 3, 1))
-    return seconds
 
 
 def _generate(backbone, heads, condition, sampling, generator, settings: RaggedSSDConfig) -> GenerationResult:

@@ -94,12 +94,16 @@ TREE_CASES = [
         {"nodes": 16, "depth": 4, "top_k": 3, "draws": "sampled", "confidence": "calibrated"},
     ),
 ]
-# Ragged SSD (decode/ssd_ragged.py with the grid heads) at fixed windows ("auto" reads the machine's clock)
+# Ragged SSD (decode/ssd_ragged.py with the grid heads) at fixed windows, ragged EAGLE and LANTERN at fixed depths
+# ("auto" reads the machine's clock)
 RAGGED_CASES = [
     ("ssd_ragged", "decode.ssd_ragged", {"window": 0}),
     ("ssd_ragged_w2_slots2", "decode.ssd_ragged", {"window": 2, "slots": 2}),
     ("ssd_ragged_lookahead", "decode.ssd_ragged", {"window": 0, "lookahead": True}),
     ("ssd_ragged_lookahead_w4_slots2", "decode.ssd_ragged", {"window": 4, "slots": 2, "lookahead": True}),
+    ("eagle_ragged", "decode.eagle_ragged", {}),
+    ("eagle_ragged_d3_slots2", "decode.eagle_ragged", {"depth": 3, "slots": 2}),
+    ("lantern_ragged_slots2", "decode.lantern_ragged", {"slots": 2, "delta": 0.3}),
 ]
 CSPD_CASES = [
     ("cspd", {}),

@@ -14,7 +14,7 @@ from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import Condition
 from decode.ar import generate_ar
-from decode.eagle_ragged import RaggedEagleConfig, generate_eagle_ragged
+from decode.eagle_ragged import RaggedEagleConfig, _DepthChooser, generate_eagle_ragged
 from decode.sampling import SamplingConfig
 
 QUEUE = Condition(class_ids=torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
@@ -46,6 +46,48 @@ def test_greedy_ragged_eagle_equals_greedy_ar_on_every_adapter(family):
     assert torch.equal(result.tokens, generate_ar(backbone, queue, sampling).tokens)
 
 
+@pytest.mark.parametrize("slots,max_depth", [(1, 5), (4, 8)])
+def test_greedy_ragged_eagle_with_cost_aware_depth_equals_greedy_ar(tiny_backbone, slots, max_depth):
+    sampling = SamplingConfig(greedy=True, cfg_scale=3.0)
+    settings = dict(slots=slots, depth="auto", max_depth=max_depth)
+    result = _ragged(tiny_backbone, random_eagle_head(tiny_backbone), QUEUE, sampling, **settings)
+    assert torch.equal(result.tokens, generate_ar(tiny_backbone, QUEUE, sampling).tokens)
+    depths = result.extras["window_sum"] / result.extras["window_passes"]
+    assert 1 <= depths <= max_depth
+    reached = [result.extras[f"drafted_at_draft_step_{j}"] for j in range(1, max_depth + 1)]
+    assert sum(reached) == result.drafted_tokens and reached[0] > 0
+
+
+def _chooser(monkeypatch, pass_seconds, max_depth=6):
+    monkeypatch.setattr("decode.eagle_ragged.ragged_pass_seconds", lambda *args: pass_seconds[:max_depth])
+    return _DepthChooser(None, None, 16, True, max_depth)
+
+
+def _observe(chooser, rate: float, depth: int, step_seconds: float, rounds: int = 50):
+    reached = torch.tensor([100.0 * rate**j for j in range(depth)])
+    for _ in range(rounds):
+        round_seconds = float(chooser.pass_seconds[depth - 1]) + depth * step_seconds
+        chooser.observe(round_seconds, depth * step_seconds, depth, reached, reached * rate)
+
+
+def test_the_depth_chooser_weighs_acceptance_against_pass_and_head_costs(monkeypatch):
+    """Deep chains where drafts pass and cost little, one draft where they fail or each head step costs a pass."""
+    flat = [0.010] * 6  # a pass of 2-7 tokens per image costs what one of 2 does (memory-bound)
+    chooser = _chooser(monkeypatch, flat)
+    _observe(chooser, rate=0.9, depth=6, step_seconds=0.0005)
+    assert chooser.choose() == 6
+    chooser = _chooser(monkeypatch, flat)
+    _observe(chooser, rate=0.05, depth=6, step_seconds=0.0005)
+    assert chooser.choose() == 1
+    chooser = _chooser(monkeypatch, flat)
+    _observe(chooser, rate=0.6, depth=6, step_seconds=0.010)
+    assert chooser.choose() <= 2
+    rising = [0.010 * (1 + n) for n in range(1, 7)]  # compute-bound: a pass costs what its tokens do
+    chooser = _chooser(monkeypatch, rising)
+    _observe(chooser, rate=0.6, depth=6, step_seconds=0.0005)
+    assert chooser.choose() == 1
+
+
 def test_an_image_gets_the_same_eagle_tokens_whatever_its_batch(tiny_backbone):
     sampling = SamplingConfig(cfg_scale=3.0)
     head = random_eagle_head(tiny_backbone)
@@ -72,7 +114,7 @@ def _sample(depth: int):
 
 
 @pytest.mark.slow  # the planted-bias check below keeps the test's power in the fast tier
-@pytest.mark.parametrize("depth", [2, 5])
+@pytest.mark.parametrize("depth", [2, 5, "auto"])
 def test_sampled_ragged_eagle_has_the_backbone_distribution(depth):
     result, truth = _sample(depth)
     assert 0.2 < result.accepted_tokens / result.drafted_tokens < 0.95
