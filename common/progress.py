@@ -50,13 +50,14 @@ class ProgressLog:
         self.started = self.last_line = clock()
         self.lines = 0
 
-    def update(self, done: int, detail: str = "") -> bool:
-        """Record that `done` units are finished; log a line if one is due. Returns whether it logged."""
+    def update(self, done: float, detail: str = "") -> bool:
+        """Record that `done` units are finished (a fraction counts the share of a unit's work done, shown rounded
+        down); log a line if one is due. Returns whether it logged."""
         now = self.clock()
         due = (
             done >= self.total
             or now - self.last_line >= self.every_seconds
-            or (self.every_n is not None and done % self.every_n == 0)
+            or (self.every_n is not None and done == int(done) and done % self.every_n == 0)
         )
         if not due or done <= 0:
             return False

@@ -105,10 +105,15 @@ def run_interleaved(
     done = 0
     for turn, (k, g) in enumerate(turns):
         group = [(indices, _to(condition, device)) for indices, condition in groups[g]]
-        for method in methods[turn % len(methods) :] + methods[: turn % len(methods)]:  # rotating order
+        images = sum(len(indices) for indices, _ in group)
+        order = methods[turn % len(methods) :] + methods[: turn % len(methods)]  # rotating order
+        for finished, method in enumerate(order, start=1):
             _timed_turn(method, runs[method.name][k], backbone, group, sampling, device, batch_size)
-        done += sum(len(indices) for indices, _ in group)
-        progress.update(done, f"seed {seeds[k]}; passes/image " + _running_passes(runs, k))
+            # A line may come between a turn's methods (the images' share of the turn's work done so far): a turn
+            # of a long continuous-batching queue takes minutes.
+            done_so_far = done + images * finished / len(order)
+            progress.update(done_so_far, f"seed {seeds[k]}; passes/image " + _running_passes(runs, k))
+        done += images
     return runs
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import PROJECT_ROOT
 
 from common.progress import ProgressLog
@@ -92,3 +93,31 @@ def test_train_with_stdout_to_a_file_shows_training_and_evaluation_progress(tmp_
     ), printed[-3000:]
     # the same lines land in the run's log file
     assert "validation at step 2" in (tmp_path / "run" / "__main__.log").read_text()
+
+
+def test_a_fraction_of_a_unit_counts_toward_the_rate_and_shows_rounded_down(caplog):
+    clock = FakeClock()
+    progress = ProgressLog("decode", 4, "image", logging.getLogger("progress-test"), every_seconds=1, clock=clock)
+    with caplog.at_level(logging.INFO, logger="progress-test"):
+        clock.now = 3.0
+        progress.update(1.5)  # one method of two done with a turn of three images
+    assert [r.getMessage() for r in caplog.records] == ["decode: 1/4 images, 2.00 s/image, ~5 s left"]
+
+
+def test_the_decode_benchmark_reports_between_the_methods_of_a_turn(tiny_backbone, caplog):
+    """A turn of a long continuous-batching queue takes minutes: a line may come after each method of a turn."""
+    from decode.ar import METHOD as AR
+    from decode.benchmark import run_interleaved
+    from decode.conditions import Conditions
+    from decode.registry import Method
+    from decode.sampling import SamplingConfig
+    from decode.sjd_ragged import METHOD as SJD_RAGGED
+    from decode.sjd_ragged import RaggedSJDConfig
+
+    methods = [Method("ar", "decode.ar", AR, AR.settings()), Method("sjd_ragged", "decode.sjd_ragged", SJD_RAGGED,
+               RaggedSJDConfig(window=4))]  # fmt: skip
+    conditions = Conditions(class_ids=torch.arange(4))
+    with caplog.at_level(logging.INFO, logger="decode.benchmark"):
+        run_interleaved(methods, tiny_backbone, conditions, 2, SamplingConfig(), [0], 1e-9, queue_batches=2)
+    lines = [r.getMessage() for r in caplog.records if "decode 2 methods" in r.getMessage()]
+    assert [line.split(":")[1].split()[0] for line in lines] == ["2/4", "4/4"]  # after ar, after sjd_ragged
