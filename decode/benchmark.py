@@ -81,6 +81,7 @@ def run_interleaved(
     for method in methods:
         # A continuous method warms up on a full batch of slots: it measures its pass costs at that batch then.
         first = _to(batches[0][1], device) if method.spec.continuous else warm_up
+        log.info("decode: warming up %s on %d image(s), untimed", method.name, first.batch_size)
         method.generate(backbone, first, sampling, torch.Generator(device=device).manual_seed(seeds[0]), batch_size)
     runs = {
         method.name: [

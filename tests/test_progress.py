@@ -119,5 +119,8 @@ def test_the_decode_benchmark_reports_between_the_methods_of_a_turn(tiny_backbon
     conditions = Conditions(class_ids=torch.arange(4))
     with caplog.at_level(logging.INFO, logger="decode.benchmark"):
         run_interleaved(methods, tiny_backbone, conditions, 2, SamplingConfig(), [0], 1e-9, queue_batches=2)
+    warm_ups = [r.getMessage() for r in caplog.records if "warming up" in r.getMessage()]
+    expected = ("ar on 1 image(s)", "sjd_ragged on 2 image(s)")  # a continuous method: a full batch of slots
+    assert warm_ups == [f"decode: warming up {name}, untimed" for name in expected]
     lines = [r.getMessage() for r in caplog.records if "decode 2 methods" in r.getMessage()]
     assert [line.split(":")[1].split()[0] for line in lines] == ["2/4", "4/4"]  # after ar, after sjd_ragged
