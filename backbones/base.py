@@ -109,6 +109,10 @@ class DecodeState:
     def cache_rows(self) -> int:
         return 2 * self.batch_size if self.guided else self.batch_size
 
+    def rows_of(self, images: torch.Tensor) -> torch.Tensor:
+        """Image indices (k,) -> their cache rows ([cond; uncond] under guidance)."""
+        return torch.cat([images, images + self.batch_size]) if self.guided else images
+
 
 def contiguous_slice(vocabulary_ids: torch.Tensor) -> slice | None:
     """The slice the ids (V,) cover when they run consecutively (codebook order in the vocabulary), else None.
@@ -584,8 +588,7 @@ class ARImageBackbone(nn.Module, ABC):
             fresh_images = torch.arange(fresh.batch_size, device=images.device)
         if images.shape[0] != fresh_images.shape[0]:
             raise ValueError(f"replace_images got {images.shape[0]} images for {fresh_images.shape[0]} new ones")
-        rows = torch.cat([images, images + state.batch_size]) if state.guided else images
-        fresh_rows = torch.cat([fresh_images, fresh_images + fresh.batch_size]) if fresh.guided else fresh_images
+        rows, fresh_rows = state.rows_of(images), fresh.rows_of(fresh_images)
         prefix = state.prefix_length
         for layer, new in zip(state.cache.layers, fresh.cache.layers):
             for name in ("_key_buffer", "_value_buffer"):

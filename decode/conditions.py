@@ -146,8 +146,7 @@ class PromptQueue:
         images, rows = self.ready[:count], self.rows[:count]
         self.ready, self.rows = self.ready[count:], self.rows[count:]
         rows = torch.tensor(rows, device=self.first.device)
-        twin_rows = torch.cat([rows, rows + self.state.batch_size]) if self.guided else rows
-        return images, self.state, rows, self.first[twin_rows], prefilled
+        return images, self.state, rows, self.first[self.state.rows_of(rows)], prefilled
 
 
 def refill_slots(backbone: ARImageBackbone, state, queue: PromptQueue, freed: torch.Tensor):

@@ -43,7 +43,7 @@ from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.pass_cost import ragged_pass_seconds
 from decode.result import GenerationResult
-from decode.rules import first_true, residual_distribution
+from decode.rules import judge_chains
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with, token_distribution
 from decode.sjd import AcceptRule, speculative_accept
 from heads.eagle import EagleHead
@@ -115,12 +115,9 @@ def generate_eagle_ragged(
     counts |= {f"{kind}_at_draft_step_{j + 1}": 0 for j in range(longest) for kind in ("drafted", "accepted")}
     chooser = _DepthChooser(backbone, state, slots, sampling.guided, longest) if config.depth == "auto" else None
 
-    def twin(rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([rows + k * slots for k in range(twins)])
-
     def start(rows: torch.Tensor, first_states: torch.Tensor) -> None:
-        true_states[twin(rows)] = 0
-        true_states[twin(rows), 0] = first_states[:, 0]
+        true_states[state.rows_of(rows)] = 0
+        true_states[state.rows_of(rows), 0] = first_states[:, 0]
         attempts[rows] = 0
         head_cached[rows] = 0
         p = token_distribution(backbone.scores(state, first_states, sampling.cfg_scale), sampling)[:, 0]
@@ -175,11 +172,8 @@ def generate_eagle_ragged(
         test_uniform = keyed_uniforms(
             seed[:, None], chain_positions, attempts.gather(1, chain_positions.clamp(max=total)), _TEST
         )
-        passed = accept(p[:, :depth], q, chain, test_uniform)
-        rejected_at = first_true(inside & ~passed, depth)
-        kept = torch.minimum(rejected_at, inside.sum(1))  # drafts accepted
-        reached = inside & (offsets[None] <= rejected_at[:, None])  # drafts the test reached
-        reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < rejected_at[:, None])).sum(0)
+        kept, rejected, reached, correction = judge_chains(accept, p, q, chain, inside, test_uniform)
+        reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < kept[:, None])).sum(0)
         for j in range(depth):
             counts[f"drafted_at_draft_step_{j + 1}"] += int(reached_by_step[j])
             counts[f"accepted_at_draft_step_{j + 1}"] += int(kept_by_step[j])
@@ -188,17 +182,12 @@ def generate_eagle_ragged(
         counts["window_sum"] += depth
         counts["window_passes"] += 1
         # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
-        at = kept.clamp(max=depth)
-        next_position = frontier + at
+        next_position = frontier + kept
         has_next = active & (next_position < total)
-        target = p[rows, at]
-        draft_q = q[rows, at.clamp(max=depth - 1)]
-        rejected = rejected_at < inside.sum(1)
-        residual = torch.where(rejected[:, None], residual_distribution(target, draft_q), target)
         kind = torch.where(rejected, _RESIDUAL, _TARGET)
         clamped = next_position.clamp(max=total)
         next_uniform = keyed_uniforms(seed, clamped, attempts[rows, clamped], kind)
-        next_token = sample_with(residual, next_uniform)
+        next_token = sample_with(correction, next_uniform)
         # Commit the accepted drafts and the next token; keep the pass's states whose context is final.
         new_committed = torch.where(has_next, next_position + 1, torch.where(active, next_position, committed))
         write = (offsets[None] < kept[:, None]) & active[:, None]

@@ -72,6 +72,31 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
 
 
+def judge_chains(accept, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, inside: torch.Tensor, uniforms):
+    """Speculative sampling's verdict on every image's chain of drafts, tested left to right with `accept`
+    (``accept(p, q, drafts, uniforms)``, e.g. decode.sjd.speculative_accept) up to each image's first rejection.
+
+    p (B, n + 1, V): the target at each draft's position and at the one after the chain; q (B, n, V) what each
+    draft was drawn from; drafts, inside, uniforms (B, n): the drafts, which of them count (a prefix per image:
+    inside the image, an active slot), their test's uniforms. Returns (kept (B,) drafts accepted, rejected (B,)
+    whether a draft was rejected, reached (B, n) the drafts the test reached, correction (B, V) the distribution
+    of the token after the kept drafts: the residual ``norm(max(0, p - q))`` at a rejection, the target
+    otherwise). Shared by the ragged chain generators (decode/eagle_ragged.py, decode/sjd_ragged.py).
+    """
+    n = drafts.shape[1]
+    passed = accept(p[:, :n], q, drafts, uniforms)
+    rejected_at = first_true(inside & ~passed, none=n)
+    inside_count = inside.sum(1)
+    kept = torch.minimum(rejected_at, inside_count)
+    rejected = rejected_at < inside_count
+    images = torch.arange(drafts.shape[0], device=drafts.device)
+    target = p[images, kept]  # predicts the position after the kept drafts
+    draft_q = q[images, kept.clamp(max=n - 1)]
+    correction = torch.where(rejected[:, None], residual_distribution(target, draft_q), target)
+    reached = inside & (torch.arange(n, device=drafts.device) <= rejected_at[:, None])
+    return kept, rejected, reached, correction
+
+
 def accept_among_siblings(
     p: torch.Tensor,
     sibling_tokens: torch.Tensor,

@@ -44,7 +44,7 @@ from backbones.base import ARImageBackbone, Condition
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.method import MethodSpec
 from decode.result import GenerationResult
-from decode.rules import first_true, residual_distribution
+from decode.rules import judge_chains
 from decode.sampling import SamplingConfig, image_seeds, keyed_uniforms, sample_with, token_distribution
 from decode.sjd import AcceptRule, SJDDecodeConfig, speculative_accept
 
@@ -164,19 +164,15 @@ def generate_jacobi_ragged(
         positions = starts[:, None] + 1 + offsets  # what the drafts stand for
         inside = (positions < total) & active[:, None]
         test_uniform = keyed_uniforms(run.seed[:, None], positions, run.attempts.gather(1, positions), _TEST)
-        passed = accept(p[:, :-1], run.q[:, 1:], run.feed[:, 1:], test_uniform)
-        rejected_at = first_true(inside & ~passed, none=width - 1)
-        inside_count = inside.sum(1)
-        kept = torch.minimum(rejected_at, inside_count)  # drafts accepted
-        rejected = rejected_at < inside_count
-        counts["drafted"] += int((inside & (offsets <= rejected_at[:, None])).sum())
+        # The drafts up to each image's first rejection, and the next token's distribution: the residual at a
+        # rejection, the target after the last accepted draft otherwise.
+        kept, rejected, reached, correction = judge_chains(
+            accept, p, run.q[:, 1:], run.feed[:, 1:], inside, test_uniform
+        )
+        counts["drafted"] += int(reached.sum())
         counts["accepted"] += int(kept.sum())
-        # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
         next_position = starts + 1 + kept
         has_next = active & (next_position < total)
-        target = p[rows, kept]  # predicts next_position
-        draft_q = run.q[rows, (kept + 1).clamp(max=width - 1)]
-        correction = torch.where(rejected[:, None], residual_distribution(target, draft_q), target)
         at = next_position.clamp(max=total - 1)
         kind = torch.where(rejected, _RESIDUAL, _TARGET)
         next_token = sample_with(correction, keyed_uniforms(run.seed, at, run.attempts[rows, at], kind))

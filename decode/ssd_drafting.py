@@ -87,7 +87,7 @@ class SSDRowDrafter:
 
     def twin(self, images: torch.Tensor) -> torch.Tensor:
         """Image indices (k,) -> their cache rows ([cond; uncond] under guidance)."""
-        return torch.cat([images, images + self.state.batch_size]) if self.state.guided else images
+        return self.state.rows_of(images)
 
     def distribution(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of cache rows (G, T, H) -> token distributions of images (B, T, V): the target p."""

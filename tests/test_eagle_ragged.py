@@ -122,7 +122,7 @@ def test_sampled_ragged_eagle_has_the_backbone_distribution(depth):
 
 
 def test_the_ragged_eagle_distribution_test_catches_a_residual_without_the_draft(monkeypatch):
-    monkeypatch.setattr("decode.eagle_ragged.residual_distribution", lambda p, q: p)
+    monkeypatch.setattr("decode.rules.residual_distribution", lambda p, q: p)
     result, truth = _sample(3)
     pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), truth)
     assert pvalue < 1e-6, f"the planted bias went unnoticed (p = {pvalue:.2e})"

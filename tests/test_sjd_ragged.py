@@ -94,7 +94,7 @@ def test_sampled_ragged_sjd_has_the_backbone_distribution(init):
 
 
 def test_the_ragged_sjd_distribution_test_catches_a_residual_without_the_draft(monkeypatch):
-    monkeypatch.setattr("decode.sjd_ragged.residual_distribution", lambda p, q: p)
+    monkeypatch.setattr("decode.rules.residual_distribution", lambda p, q: p)
     result, truth = _sample("random")
     pvalue = fit_pvalue(result.tokens.flatten(1).tolist(), truth)
     assert pvalue < 1e-6, f"the planted bias went unnoticed (p = {pvalue:.2e})"
