@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from backbones.kv_cache import keep_slots, preallocated_cache, ragged_slots, reserve, writing_at
+from backbones.kv_cache import keep_rows, keep_slots, preallocated_cache, ragged_slots, reserve, writing_at
 
 
 @dataclass(frozen=True)
@@ -601,6 +601,22 @@ class ARImageBackbone(nn.Module, ABC):
                 state.extras[key][rows.to(value.device)] = value[fresh_rows.to(value.device)]
             else:
                 raise ValueError(f"replace_images cannot merge {type(self).__name__}'s extra {key!r} row by row")
+
+    def keep_images(self, state: DecodeState, images: torch.Tensor) -> None:
+        """Continuous batching's drain: `state` keeps only the images ``images`` (k,), in this order (their cache
+        rows, both twins under guidance, and their family extras), so that later passes compute no finished
+        image's rows. One copy of the kept rows; ``state.batch_size`` becomes k."""
+        if images.dim() != 1 or not 0 < images.shape[0] <= state.batch_size:
+            raise ValueError(
+                f"keep_images needs 1 to {state.batch_size} image indices, got shape {tuple(images.shape)}"
+            )
+        rows = state.rows_of(images)
+        keep_rows(state.cache, rows)
+        for key, value in state.extras.items():
+            if not (isinstance(value, torch.Tensor) and value.shape[0] == state.cache_rows):
+                raise ValueError(f"keep_images cannot select {type(self).__name__}'s extra {key!r} row by row")
+            state.extras[key] = value.index_select(0, rows.to(value.device))
+        state.batch_size = int(images.shape[0])
 
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""

@@ -140,6 +140,18 @@ def ragged_slots(cache, first: torch.Tensor, width: int, capacity: int):
     return slots, attend, visible
 
 
+def keep_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only the cache rows ``rows`` (k,), in this order (one copy of them): a batch drops its finished images
+    (`ARImageBackbone.keep_images`, a ragged EAGLE head's own cache)."""
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        for name in ("_key_buffer", "_value_buffer"):
+            buffer = getattr(layer, name)
+            setattr(layer, name, buffer.index_select(0, rows.to(buffer.device)))
+        layer._expose(layer.length)
+
+
 def keep_slots(cache, sources: torch.Tensor, start: int) -> None:
     """Row by row, move the keys and values at slots ``sources[r]`` (R, k) to slots ``start .. start + k - 1``,
     and end the cache there: a token tree's accepted path becomes the cache's continuation."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -40,6 +41,7 @@ from backbones.base import ARImageBackbone, Condition
 from backbones.hf_loading import positional_arguments
 from backbones.kv_cache import ragged_slots, writing_at
 from decode.conditions import PromptQueue, condition_rows, refill_slots
+from decode.drain import drain_finished
 from decode.method import MethodSpec
 from decode.pass_cost import ragged_pass_seconds
 from decode.result import GenerationResult
@@ -58,6 +60,9 @@ class RaggedEagleConfig:
     depth: int | Literal["auto"] = 6  # drafts per image and pass (decode/eagle.py's default); auto: by cost
     slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
     max_depth: int = 8  # depth auto: the longest chain it may choose
+    # once the queue is empty, drop finished images' slots when at most this share still decodes (decode/drain.py;
+    # 0: never)
+    drain: float = 0.75
 
     def __post_init__(self):
         depth_ok = self.depth == "auto" or (isinstance(self.depth, int) and self.depth >= 1)
@@ -66,6 +71,8 @@ class RaggedEagleConfig:
                 f"ragged EAGLE needs depth >= 1 or 'auto', slots >= 0 and max_depth >= 1, got {self.depth!r}, "
                 f"{self.slots} and {self.max_depth}"
             )
+        if not 0 <= self.drain < 1:
+            raise ValueError(f"ragged EAGLE drain must be in [0, 1) (0: never drain), got {self.drain}")
 
 
 def _head_step(head: EagleHead, cache, states, embeddings, starts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -111,7 +118,7 @@ def generate_eagle_ragged(
     head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
     longest = config.max_depth if config.depth == "auto" else config.depth
-    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0}
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0, "drains": 0}
     counts |= {f"{kind}_at_draft_step_{j + 1}": 0 for j in range(longest) for kind in ("drafted", "accepted")}
     chooser = _DepthChooser(backbone, state, slots, sampling.guided, longest) if config.depth == "auto" else None
 
@@ -212,6 +219,25 @@ def generate_eagle_ragged(
                 start(refill, fresh_first)
             image[done[len(refill) :]] = -1
             head_cached[done[len(refill) :]] = 0  # an empty slot catches up on position 0 only
+            if config.drain and not len(queue):  # the queue is dry: finished slots leave the batch
+                per_slot = SimpleNamespace(
+                    tokens=tokens,
+                    true_states=true_states,
+                    attempts=attempts,
+                    image=image,
+                    seed=seed,
+                    committed=committed,
+                    head_cached=head_cached,
+                )
+                kept = drain_finished(backbone, state, image >= 0, [per_slot], config.drain, caches=(cache,))
+                if kept is not None:
+                    tokens, true_states, attempts = per_slot.tokens, per_slot.true_states, per_slot.attempts
+                    image, seed, committed = per_slot.image, per_slot.seed, per_slot.committed
+                    head_cached = per_slot.head_cached
+                    if chooser:
+                        chooser.rescale(len(kept) / slots)
+                    slots = len(kept)
+                    counts["drains"] += 1
     return GenerationResult(
         output.view(count, backbone.geometry.rows, backbone.geometry.cols),
         forward_passes=counts["passes"],
@@ -240,6 +266,14 @@ class _DepthChooser:
         depths = torch.arange(1, len(rate) + 1, dtype=torch.float64)
         seconds = self.pass_seconds.double() + depths * self.step_seconds + self.other_seconds
         return int(torch.argmax(expected / seconds)) + 1
+
+    def rescale(self, fraction: float) -> None:
+        """The batch has drained to `fraction` of its slots: passes, head steps and the rest of a round are taken
+        to cost that share of what they cost before (a CPU pays per row; a memory-bound GPU pays less than that
+        for fewer rows, so there this errs towards deeper chains)."""
+        self.pass_seconds *= fraction
+        self.step_seconds *= fraction
+        self.other_seconds *= fraction
 
     def observe(self, round_seconds: float, chain_seconds: float, depth: int, reached, kept) -> None:
         """A round's figures: its drafts reached and kept by the test at each chain step, and its wall-clock beyond

@@ -33,10 +33,11 @@ class RaggedGSDConfig:
     probability_gap: float = 0.15
     max_distance: float = 0.5
     slots: int = 0  # images decoded at once; 0: all the conditions
+    drain: float = 0.75  # ragged SJD's: drop finished slots once the queue is dry (decode/drain.py; 0: never)
 
     def __post_init__(self):
         GSDDecodeConfig(self.window, self.init, self.rank_radius, self.probability_gap, self.max_distance)
-        RaggedSJDConfig(self.window, self.init, self.slots)  # the same checks
+        RaggedSJDConfig(self.window, self.init, self.slots, self.drain)  # the same checks
 
 
 def generate_gsd_ragged(
@@ -47,7 +48,7 @@ def generate_gsd_ragged(
     config: RaggedGSDConfig = RaggedGSDConfig(),
 ) -> GenerationResult:
     """Ragged Jacobi windows over ``config.slots`` slots with GSD's grouped test (module docstring)."""
-    windows = RaggedSJDConfig(config.window, config.init, config.slots)
+    windows = RaggedSJDConfig(config.window, config.init, config.slots, config.drain)
     accept = grouped_test(backbone, config.rank_radius, config.probability_gap, config.max_distance)
     return generate_jacobi_ragged(backbone, condition, sampling, generator, windows, accept)
 

@@ -33,10 +33,11 @@ class RaggedLanternConfig:
     k: int = 1000
     delta: float = 0.1
     slots: int = 0  # images decoded at once; 0: all the conditions
+    drain: float = 0.75  # ragged EAGLE's: drop finished slots once the queue is dry (decode/drain.py; 0: never)
 
     def __post_init__(self):
         LanternDecodeConfig(self.depth, self.k, self.delta)  # the same checks
-        RaggedEagleConfig(self.depth, self.slots)
+        RaggedEagleConfig(self.depth, self.slots, drain=self.drain)
 
 
 def generate_lantern_ragged(
@@ -48,7 +49,7 @@ def generate_lantern_ragged(
     config: RaggedLanternConfig = RaggedLanternConfig(),
 ) -> GenerationResult:
     """Ragged EAGLE rounds over ``config.slots`` slots with LANTERN's relaxed test (module docstring)."""
-    eagle = RaggedEagleConfig(config.depth, config.slots)
+    eagle = RaggedEagleConfig(config.depth, config.slots, drain=config.drain)
     if sampling.greedy or config.k == 0 or config.delta == 0:
         return generate_eagle_ragged(backbone, head, condition, sampling, generator, eagle)
     neighbours = latent_neighbours(backbone.codebook_latents(), config.k)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from backbones.base import ARImageBackbone, Condition
 from decode.conditions import PromptQueue, condition_rows, refill_slots
+from decode.drain import drain_finished
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import judge_chains
@@ -58,6 +59,9 @@ class RaggedSJDConfig:
     window: int = 16  # positions fed per image and pass: its last committed token and window - 1 drafts
     init: Literal["random", "repeat_left"] = "random"  # new drafts: uniform image tokens, or the token to the left
     slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
+    # once the queue is empty, drop finished images' slots when at most this share still decodes (decode/drain.py;
+    # 0: never)
+    drain: float = 0.75
 
     def __post_init__(self):
         SJDDecodeConfig(self.window, self.init)  # the same checks
@@ -65,6 +69,8 @@ class RaggedSJDConfig:
             raise ValueError(f"init must be 'random' or 'repeat_left', got {self.init!r}")
         if self.slots < 0:
             raise ValueError(f"ragged SJD needs slots >= 0 (0: all the conditions), got {self.slots}")
+        if not 0 <= self.drain < 1:
+            raise ValueError(f"ragged SJD drain must be in [0, 1) (0: never drain), got {self.drain}")
 
 
 class _Windows:
@@ -142,7 +148,7 @@ def generate_jacobi_ragged(
     run.seed = seeds[:slots].to(device)
     output = torch.zeros(count, total, dtype=torch.long, device=device)
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
-    counts = {"passes": 1, "drafted": 0, "accepted": 0}
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "drains": 0}
     rows = torch.arange(slots, device=device)
     offsets = torch.arange(width - 1, device=device)
 
@@ -193,11 +199,16 @@ def generate_jacobi_ragged(
                 run.image[refill], run.seed[refill] = images, seeds[images.to(seeds.device)].to(device)
                 start(refill, fresh_first)
             run.image[done[len(refill) :]] = -1
+            if config.drain and not len(queue):  # the queue is dry: finished slots leave the batch
+                if drain_finished(backbone, state, run.image >= 0, [run], config.drain) is not None:
+                    rows = torch.arange(run.image.shape[0], device=device)
+                    counts["drains"] += 1
     return GenerationResult(
         output.view(count, backbone.geometry.rows, backbone.geometry.cols),
         forward_passes=counts["passes"],
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
+        extras={"drains": counts["drains"]},
     )
 
 

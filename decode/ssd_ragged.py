@@ -64,6 +64,7 @@ import torch
 
 from backbones.base import ARImageBackbone, Condition
 from decode.conditions import PromptQueue, condition_rows, refill_slots
+from decode.drain import drain_finished
 from decode.method import MethodSpec
 from decode.pass_cost import ragged_pass_seconds
 from decode.result import GenerationResult
@@ -95,6 +96,9 @@ class RaggedSSDConfig:
     lookahead: bool = False
     # lookahead only where the product of the row's open drafts' own probabilities q(x) is at least this (0: always)
     lookahead_confidence: float = 0.0
+    # once the queue is empty, drop finished images' slots from the batch when at most this share of the slots
+    # still decodes (decode/drain.py; 0: never): later passes compute no finished image's rows
+    drain: float = 0.75
 
     def __post_init__(self):
         if self.mode not in ("exact", "prefix"):
@@ -103,6 +107,8 @@ class RaggedSSDConfig:
             raise ValueError(f"ragged SSD window must be an int >= 0 or 'auto', got {self.window!r}")
         if self.lookahead and self.mode != "exact":
             raise ValueError("ragged SSD lookahead needs mode exact (prefix mode keeps rows unverified)")
+        if not 0 <= self.drain < 1:
+            raise ValueError(f"ragged SSD drain must be in [0, 1) (0: never drain), got {self.drain}")
         if not 0 <= self.lookahead_confidence <= 1:
             raise ValueError(f"ragged SSD lookahead_confidence must be in [0, 1], got {self.lookahead_confidence}")
         if min(self.rounds, self.grid_steps, self.horizontal_steps, self.slots) < 0:
@@ -194,7 +200,15 @@ def generate_ssd_ragged(
         if config.window == "auto"
         else None
     )
-    counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0, "lookahead": 0}
+    counts = {
+        "passes": 1,
+        "drafted": 0,
+        "accepted": 0,
+        "window_sum": 0,
+        "window_passes": 0,
+        "lookahead": 0,
+        "drains": 0,
+    }
     _start_images(run, drafter, torch.arange(slots, device=device), torch.arange(slots, device=device), seeds, first)
     while bool(run.active.any()):
         began = time.perf_counter()
@@ -223,6 +237,13 @@ def generate_ssd_ragged(
             if len(refill):
                 _start_images(run, drafter, refill, images, seeds, fresh_first)
             run.image[done[len(refill) :]] = -1
+            if config.drain and not len(queue):
+                slots_before = run.image.shape[0]
+                kept = drain_finished(backbone, state, run.active, [run], config.drain)
+                if kept is not None:
+                    counts["drains"] += 1
+                    if chooser is not None:
+                        chooser.rescale(len(kept) / slots_before)
         if chooser is not None:
             if device.type == "cuda":  # the round's kernels, not just their launches
                 torch.cuda.synchronize(device)
@@ -232,7 +253,7 @@ def generate_ssd_ragged(
         forward_passes=counts["passes"],
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
-        extras={k: counts[k] for k in ("window_sum", "window_passes", "lookahead")},
+        extras={k: counts[k] for k in ("window_sum", "window_passes", "lookahead", "drains")},
     )
 
 
@@ -623,6 +644,15 @@ class _WindowChooser:
         self.overhead[drafted_ahead] = (
             mean + (max(0.0, seconds - self.last_pass) - mean) / self.overhead_count[drafted_ahead]
         )
+
+    def rescale(self, fraction: float) -> None:
+        """The batch has drained to `fraction` of its slots: a pass and a round's drafting are taken to cost that
+        share of what they cost before (rows of a pass are what a CPU pays for; a memory-bound GPU pays less
+        than that for fewer rows, so there this errs towards longer windows)."""
+        self.seconds_by_length *= fraction
+        for key in self.overhead:
+            self.overhead[key] *= fraction
+        self.last_pass *= fraction
 
     def _pass_seconds(self, length: int) -> float:
         lengths, seconds = self.lengths, self.seconds

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import random_eagle_head
 from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
+from ragged_leaks import PLANTED_LEAKS, record_ragged_batch_sizes
 from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import Condition
@@ -94,6 +95,32 @@ def test_an_image_gets_the_same_eagle_tokens_whatever_its_batch(tiny_backbone):
     alone = _ragged(tiny_backbone, head, QUEUE, sampling, slots=1, depth=4)
     for slots in (4, 10):
         assert torch.equal(_ragged(tiny_backbone, head, QUEUE, sampling, slots=slots, depth=4).tokens, alone.tokens)
+
+
+@pytest.mark.parametrize("leak", PLANTED_LEAKS)
+def test_a_planted_leak_between_eagle_images_is_caught(leak, monkeypatch):
+    """On a backbone whose tokens depend on their context (tests/test_sjd_ragged.py says why not the tiny one), a
+    leak between the images of a batch of four changes the tokens they get alone."""
+    backbone = enumerable_backbone(grid_size=8, levels=8, sharpen=2.0)
+    head = random_eagle_head(backbone)
+    sampling = SamplingConfig(cfg_scale=3.0)
+    alone = _ragged(backbone, head, QUEUE, sampling, slots=1, depth=3).tokens
+    assert torch.equal(_ragged(backbone, head, QUEUE, sampling, slots=4, depth=3).tokens, alone)
+    leak(monkeypatch)
+    assert not torch.equal(_ragged(backbone, head, QUEUE, sampling, slots=4, depth=3).tokens, alone), "unnoticed"
+
+
+def test_a_draining_eagle_batch_computes_no_finished_image_and_changes_no_token(tiny_backbone, monkeypatch):
+    """Ten images over ten slots, no queue: the passes shrink to the images still decoding, with the same tokens
+    and passes as a batch that keeps every slot (the head's cache drained with the backbone's)."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    head = random_eagle_head(tiny_backbone)
+    kept = _ragged(tiny_backbone, head, QUEUE, sampling, slots=10, depth=4, drain=0)
+    batch_sizes = record_ragged_batch_sizes(monkeypatch)
+    drained = _ragged(tiny_backbone, head, QUEUE, sampling, slots=10, depth=4)
+    assert torch.equal(drained.tokens, kept.tokens) and drained.forward_passes == kept.forward_passes
+    assert drained.extras["drains"] >= 1 and kept.extras["drains"] == 0
+    assert batch_sizes[-1] < 10 and batch_sizes == sorted(batch_sizes, reverse=True)
 
 
 CLASS_ID = 4

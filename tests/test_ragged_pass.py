@@ -14,6 +14,14 @@ def _batch_of(condition: Condition, batch: int) -> Condition:
     return Condition(token_ids=condition.token_ids[[0, 1, 1, 0][:batch]])
 
 
+def _four_images_of(family: str, tiny_backbone):
+    """The backbone of `family` and a condition of four images for it."""
+    if family == "digits":
+        return tiny_backbone, _batch_of(Condition(class_ids=torch.tensor([1, 8])), 4)
+    make_backbone, make_condition, _ = ADAPTERS[family]
+    return make_backbone(), _batch_of(make_condition(), 4)
+
+
 def _alone(backbone, condition: Condition, image: int, tokens: torch.Tensor, guided: bool) -> torch.Tensor:
     """The states `step` gives image `image` alone for `tokens` (1, n) from grid position 0 (its cond twin)."""
     one = Condition(
@@ -28,12 +36,7 @@ def _alone(backbone, condition: Condition, image: int, tokens: torch.Tensor, gui
 @pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize("family", ["digits", *sorted(ADAPTERS)])
 def test_a_ragged_pass_gives_each_image_its_own_states(family, guided, tiny_backbone):
-    if family == "digits":
-        backbone, condition = tiny_backbone, Condition(class_ids=torch.tensor([1, 8]))
-    else:
-        make_backbone, make_condition, _ = ADAPTERS[family]
-        backbone, condition = make_backbone(), make_condition()
-    condition = _batch_of(condition, 4)
+    backbone, condition = _four_images_of(family, tiny_backbone)
     n = backbone.geometry.num_tokens
     generator = torch.Generator().manual_seed(3)
     image_tokens = torch.randint(0, backbone.codebook_size, (4, n), generator=generator)
@@ -87,3 +90,24 @@ def test_replace_images_refuses_another_prompt_length_and_says_how_to_queue():
     longer, _ = backbone.prefill(Condition(token_ids=torch.tensor([[1, 10, 11, 12, 13, 14, 2]])), guided=True)
     with pytest.raises(ValueError, match="group the queue by prompt length"):
         backbone.replace_images(state, torch.tensor([0]), longer)
+
+
+@pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("family", ["digits", *sorted(ADAPTERS)])
+def test_keep_images_drops_finished_images_and_the_kept_ones_go_on_as_alone(family, tiny_backbone):
+    """A drained batch (`keep_images`, images 3 and 1 of four, in that order) goes on from each kept image's own
+    cache rows and prompt extras: its next ragged pass gives each what `step` gives it alone."""
+    backbone, condition = _four_images_of(family, tiny_backbone)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, backbone.codebook_size, (4, 7), generator=generator)
+    state, _ = backbone.prefill(condition, guided=True)
+    backbone.step_ragged(state, tokens[:, :4], torch.zeros(4, dtype=torch.long))
+    kept = torch.tensor([3, 1])
+    backbone.keep_images(state, kept)
+    assert state.batch_size == 2 and state.cache_rows == 4
+    out = backbone.step_ragged(state, tokens[kept, 4:], torch.full((2,), 4))
+    for slot, image in enumerate(kept.tolist()):
+        alone = _alone(backbone, condition, image, tokens[image : image + 1], guided=True)
+        torch.testing.assert_close(out[slot], alone[0, 5:8], atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="keep_images needs 1 to 2 image indices"):
+        backbone.keep_images(state, torch.tensor([0, 1, 0]))

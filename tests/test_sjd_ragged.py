@@ -11,7 +11,7 @@ more; greedy GSD is greedy AR.
 import pytest
 import torch
 from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
-from ragged_leaks import PLANTED_LEAKS
+from ragged_leaks import PLANTED_LEAKS, record_ragged_batch_sizes
 from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import Condition
@@ -71,6 +71,18 @@ def test_a_planted_leak_between_sjd_images_is_caught(leak, monkeypatch):
     assert torch.equal(_sjd(backbone, QUEUE, SAMPLED, slots=4, window=4).tokens, alone)
     leak(monkeypatch)
     assert not torch.equal(_sjd(backbone, QUEUE, SAMPLED, slots=4, window=4).tokens, alone), "leak unnoticed"
+
+
+def test_a_draining_sjd_batch_computes_no_finished_image_and_changes_no_token(monkeypatch):
+    """Ten images over ten slots, no queue: the passes shrink to the images still decoding, with the same tokens
+    and passes as a batch that keeps every slot."""
+    backbone = enumerable_backbone(grid_size=8, levels=8, sharpen=2.0)
+    kept = _sjd(backbone, QUEUE, SAMPLED, slots=10, window=4, drain=0)
+    batch_sizes = record_ragged_batch_sizes(monkeypatch)
+    drained = _sjd(backbone, QUEUE, SAMPLED, slots=10, window=4)
+    assert torch.equal(drained.tokens, kept.tokens) and drained.forward_passes == kept.forward_passes
+    assert drained.extras["drains"] >= 1 and kept.extras["drains"] == 0
+    assert batch_sizes[-1] < 10 and batch_sizes == sorted(batch_sizes, reverse=True)
 
 
 CLASS_ID = 4

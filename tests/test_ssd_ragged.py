@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import random_ssd_heads
 from distribution_check import assert_sampled_from, enumerable_backbone, fit_pvalue, image_distribution
-from ragged_leaks import PLANTED_LEAKS
+from ragged_leaks import PLANTED_LEAKS, record_ragged_batch_sizes
 from tiny_adapters import ADAPTERS, queue_of_four
 
 from backbones.base import ARImageBackbone, Condition
@@ -96,6 +96,22 @@ def test_an_image_gets_the_same_tokens_whatever_its_batch_and_window(tiny_backbo
         settings = dict(slots=slots, window=window, lookahead=lookahead, lookahead_confidence=confidence)
         batched = _ragged(tiny_backbone, heads, QUEUE, sampling, **settings)
         assert torch.equal(batched.tokens, alone.tokens), (slots, window, confidence)
+
+
+@pytest.mark.parametrize("window", [2, "auto"])
+def test_a_draining_batch_computes_no_finished_image_and_changes_no_token(tiny_backbone, window, monkeypatch):
+    """Ten images over ten slots, no queue: as images finish, the passes shrink to the ones still decoding
+    (never below them), with the same tokens and passes as a batch that keeps every slot to the end."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    kept = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=10, window=window, drain=0)
+    batch_sizes = record_ragged_batch_sizes(monkeypatch)
+    drained = _ragged(tiny_backbone, heads, QUEUE, sampling, slots=10, window=window)
+    assert torch.equal(drained.tokens, kept.tokens)
+    if window != "auto":  # (auto windows follow the measured costs, which draining changes)
+        assert drained.forward_passes == kept.forward_passes
+    assert drained.extras["drains"] >= 2 and kept.extras["drains"] == 0
+    assert batch_sizes[-1] < 10 and batch_sizes == sorted(batch_sizes, reverse=True)
 
 
 @pytest.mark.parametrize("leak", PLANTED_LEAKS)
