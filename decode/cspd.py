@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -56,6 +57,7 @@ from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
 from backbones.diffusion_head import DiffusionSample
 from decode.continuous_ar import check_continuous_sampling
+from decode.gamma_choice import GammaChooser
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import first_true, gaussian_verdicts, resample_rejected
@@ -66,7 +68,9 @@ from decode.sampling import SamplingConfig
 class CSpDConfig:
     """CSpD's settings (defaults: the authors' MAR demo, `demo/run_mar.ipynb`)."""
 
-    gamma: int = 4  # drafts per verification (the demo's num_draft)
+    # drafts per verification (the demo's num_draft); auto: per round by measured cost (decode/gamma_choice.py)
+    gamma: int | Literal["auto"] = 4
+    max_gamma: int = 8  # gamma auto: the longest round it may choose
     prefill_fraction: float = 0.05  # tokens the backbone samples itself first (the demo's ratio)
     tau: float = 1.0  # 1: exact. The reference code's relaxed test widens both Gaussians by 42 (not lossless)
     reference_correction: bool = False  # the reference's factor exp(sum log std_p - sum log std_q) (not lossless)
@@ -76,12 +80,17 @@ class CSpDConfig:
     drafter_cfg_scale: float | None = None
 
     def __post_init__(self):
-        if self.gamma < 1:
-            raise ValueError(f"cspd gamma must be >= 1, got {self.gamma}")
+        check_gamma(self.gamma, self.max_gamma, "cspd")
         scale = self.drafter_cfg_scale
         if scale is not None and not (math.isfinite(scale) and scale >= 0):
             raise ValueError(f"cspd drafter_cfg_scale must be a finite number >= 0 or null, got {scale}")
         check_verification(self.prefill_fraction, self.tau, "cspd")
+
+
+def check_gamma(gamma, max_gamma: int, method: str) -> None:
+    """A draft length: an int >= 1, or "auto" with max_gamma >= 1."""
+    if not (gamma == "auto" or (isinstance(gamma, int) and gamma >= 1)) or max_gamma < 1:
+        raise ValueError(f"{method} gamma must be an int >= 1 or 'auto' (max_gamma >= 1), got {gamma!r}, {max_gamma}")
 
 
 def check_verification(prefill_fraction: float, tau: float, method: str) -> None:
@@ -155,6 +164,8 @@ def generate_cspd(
     draft_cfg = sampling.cfg_scale if settings.drafter_cfg_scale is None else settings.drafter_cfg_scale
     draft_state, _ = drafter.prefill(condition, draft_cfg != 1.0)
     own_noise = None
+    device = next(backbone.parameters()).device
+    chooser = GammaChooser(settings.max_gamma, device) if settings.gamma == "auto" else None
 
     def draft(run: Speculation, pending: int) -> DraftRound:
         nonlocal own_noise
@@ -164,7 +175,8 @@ def generate_cspd(
             if own_noise is None:
                 own_noise = run.backbone.draw_noise(*run.noise.shape[:2], run.generator, run.noise.device)
             noise_of_drafts = own_noise
-        count = min(settings.gamma, run.tokens.shape[1] - 1 - pending)
+        gamma = chooser.choose() if chooser is not None else settings.gamma
+        count = min(gamma, run.tokens.shape[1] - 1 - pending)
         return _draft_sequential(drafter, draft_state, run, pending, count, noise_of_drafts, draft_cfg)
 
     def rollback(last: int) -> None:
@@ -173,7 +185,7 @@ def generate_cspd(
     return speculate(
         backbone, condition, sampling, generator, (draft, rollback), noise,
         prefill_fraction=settings.prefill_fraction, tau=settings.tau,
-        reference_correction=settings.reference_correction,
+        reference_correction=settings.reference_correction, chooser=chooser,
     )  # fmt: skip
 
 
@@ -189,9 +201,11 @@ def speculate(
     tau: float,
     reference_correction: bool = False,
     min_prefill: int = 1,
+    chooser: GammaChooser | None = None,
 ) -> GenerationResult:
     """Steps 1, 4 and 5 of the module doc around any drafter: pre-fill (``prefill_fraction`` of the tokens, at
-    least `min_prefill`), then verify each round's drafts."""
+    least `min_prefill`), then verify each round's drafts. `chooser`: the cost-aware draft lengths the drafter
+    asks for (gamma auto), timed here round by round."""
     check_continuous_sampling(sampling)
     draft, drafter_rollback = drafter
     geometry, batch = backbone.geometry, condition.batch_size
@@ -213,9 +227,11 @@ def speculate(
         tokens[:, position] = drawn.tokens[:, 0]
         if position + 1 < prefilled:
             hidden = backbone.step(state, drawn.tokens)
-    passes, drafted, accepted, unsettled = prefilled, 0, 0, 0
+    passes, drafted, accepted, unsettled, rounds, round_drafts = prefilled, 0, 0, 0, 0, 0
     pending = prefilled - 1  # the batch's last committed token, in neither cache yet
     while pending < total - 1:
+        if chooser is not None:
+            chooser.start_round()
         round_ = draft(run, pending)
         count = round_.tokens.shape[1]
         first = pending + 1
@@ -235,8 +251,12 @@ def speculate(
         kept = gaussian_verdicts(drafts, p, (round_.mean, round_.std), generator, tau, correction) | forced
         cut = first_true(~kept, none=count)  # (B,): each image's first rejected position in the round
         tokens[:, first : first + count] = drafts
+        columns = torch.arange(count, device=device)[None, :]
+        reached = int(((columns <= cut[:, None]) & ~forced).sum())  # tested: up to each image's first rejection
+        kept_now = int(((columns < cut[:, None]) & ~forced).sum())
         drafted += int((~forced).sum())
-        accepted += int(((torch.arange(count, device=device)[None, :] < cut[:, None]) & ~forced).sum())
+        accepted += kept_now
+        rounds, round_drafts = rounds + 1, round_drafts + count
         stopped = (cut < count).nonzero()[:, 0]  # images with a rejection: a residual draw at their cut
         if len(stopped):
             at = cut[stopped]
@@ -258,12 +278,15 @@ def speculate(
         backbone.rollback(state, min(last, state.num_image_tokens))
         drafter_rollback(last)
         pending = last
+        if chooser is not None:
+            chooser.end_round(count, reached, kept_now)
     return GenerationResult(
         tokens.view(batch, geometry.rows, geometry.cols, -1),
         forward_passes=passes,
         drafted_tokens=drafted,
         accepted_tokens=accepted,
-        extras={"residual_fallbacks": unsettled},
+        # window_sum / window_passes: the mean drafts per round (the report prints it)
+        extras={"residual_fallbacks": unsettled, "window_sum": round_drafts, "window_passes": rounds},
     )
 
 

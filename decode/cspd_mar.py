@@ -59,13 +59,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from backbones.base import Condition
 from backbones.diffusion_head import DiffusionSample
 from backbones.mar import MARBackbone, RevealStep, gather_positions, reveal, reveal_steps
-from decode.cspd import check_verification
+from decode.cspd import check_gamma, check_verification
+from decode.gamma_choice import GammaChooser
 from decode.masked_baseline import masked_inputs
 from decode.method import MethodSpec
 from decode.result import GenerationResult
@@ -79,7 +81,9 @@ VERIFICATIONS = ("prefix", "window")
 class CSpDMARConfig:
     """CSpD-on-MAR settings (defaults: exact; the reference demo's gamma 4 and 5% pre-fill)."""
 
-    gamma: int = 4  # drafted steps per verification (the demo's num_draft)
+    # drafted steps per verification (the demo's num_draft); auto (prefix verification): per round by measured cost
+    gamma: int | Literal["auto"] = 4
+    max_gamma: int = 8  # gamma auto: the longest round it may choose
     prefill_fraction: float = 0.05  # of the steps, run by the target first (the demo's ratio)
     verification: str = "prefix"  # "prefix": exact (module doc); "window": the reference's (not lossless)
     tau: float = 1.0  # 1: exact. The reference's relaxed test widens both Gaussians by 42 (not lossless)
@@ -87,10 +91,14 @@ class CSpDMARConfig:
     trajectory_alignment: bool = True  # drafter and target share every position's trajectory noise
 
     def __post_init__(self):
-        if self.gamma < 1:
-            raise ValueError(f"cspd_mar gamma must be >= 1, got {self.gamma}")
+        check_gamma(self.gamma, self.max_gamma, "cspd_mar")
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"cspd_mar verification must be one of {VERIFICATIONS}, got {self.verification!r}")
+        if self.gamma == "auto" and self.verification != "prefix":
+            raise ValueError(
+                "cspd_mar gamma auto needs verification prefix: the reference's rounds end at steps divisible by "
+                "a fixed gamma (set gamma to an int)"
+            )
         check_verification(self.prefill_fraction, self.tau, "cspd_mar")
 
     @property
@@ -147,16 +155,23 @@ def generate_cspd_mar(
     for step in steps[:first]:  # 2. the target's own steps
         tokens, known = run.target_step(tokens, known, step)
     counts = {"passes": first, "drafter_passes": 0, "verify_rows": 0, "drafted": 0, "accepted": 0, "unsettled": 0}
-    counts.update(
-        {f"{kind}_at_draft_step_{r + 1}": 0 for r in range(settings.gamma) for kind in ("drafted", "accepted")}
-    )
+    longest = settings.max_gamma if settings.gamma == "auto" else settings.gamma
+    counts.update({f"{kind}_at_draft_step_{r + 1}": 0 for r in range(longest) for kind in ("drafted", "accepted")})
+    counts.update(window_sum=0, window_passes=0)
+    chooser = GammaChooser(settings.max_gamma, torch.device(device)) if settings.gamma == "auto" else None
     index = first
     ahead = AheadOfTheBatch(torch.zeros_like(tokens), torch.zeros(batch, dtype=torch.long, device=device))
     while index < len(steps):
         if settings.verification == "prefix":
-            window = steps[index : index + settings.gamma]
+            if chooser is not None:
+                chooser.start_round()
+            window = steps[index : index + (chooser.choose() if chooser is not None else settings.gamma)]
             bonus = steps[index + len(window)] if index + len(window) < len(steps) else None
             tokens, known, advanced = _prefix_round(run, tokens, known, window, bonus, settings, counts, ahead)
+            counts["window_sum"] += len(window)
+            counts["window_passes"] += 1
+            if chooser is not None:  # the batch's steps: kept before the first rejection, and the one judged there
+                chooser.end_round(len(window), min(advanced, len(window)), min(advanced - 1, len(window)))
         else:
             window = reference_round(steps, index, settings.gamma)
             tokens, known = _window_round(run, tokens, known, window, settings, counts)
@@ -172,6 +187,8 @@ def generate_cspd_mar(
             "drafter_passes": counts["drafter_passes"],
             "verify_rows": counts["verify_rows"],
             "residual_fallbacks": counts["unsettled"],
+            "window_sum": counts["window_sum"],  # drafted steps per round: window_sum / window_passes
+            "window_passes": counts["window_passes"],
             # Tokens judged and kept at each step of a round (1: the round's first drafted step), summed.
             **{key: value for key, value in counts.items() if "_at_draft_step_" in key},
         },

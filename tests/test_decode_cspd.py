@@ -114,6 +114,22 @@ def test_drafter_equal_to_backbone_accepts_every_draft(cfg_scale, gamma, prefill
     assert result.forward_passes == prefilled + rounds
 
 
+def test_with_cost_aware_rounds_a_drafter_equal_to_the_backbone_gives_its_tokens():
+    backbone = tiny_continuous()
+    condition = Condition(class_ids=torch.tensor([1, 4, 9]))
+    sampling = SamplingConfig(cfg_scale=3.0)
+    noise = backbone.draw_noise(3, 16, torch.Generator().manual_seed(0))
+    ar = generate_continuous_ar(backbone, condition, sampling, noise=noise)
+    result = generate_cspd(
+        backbone, backbone, condition, sampling, torch.Generator().manual_seed(1),
+        CSpDConfig(gamma="auto", max_gamma=5, prefill_fraction=0.0), noise=noise,
+    )  # fmt: skip
+    assert result.accepted_tokens == result.drafted_tokens > 0
+    torch.testing.assert_close(result.tokens, ar.tokens, rtol=0, atol=1e-5)
+    rounds = result.extras["window_passes"]
+    assert rounds >= 2 and 1 <= result.extras["window_sum"] / rounds <= 5
+
+
 class TakingTurnsDrafter:
     """The backbone drafting for itself (every draft kept), except that each round one image, in turn, gets
     hopeless drafts (always rejected): no round lets the whole batch through."""
@@ -257,11 +273,13 @@ def test_the_standardized_tokens_of_the_backbones_own_samples_are_its_last_step_
 
 
 @pytest.mark.slow  # statistical (8,192 values per batch size); the fast tier keeps the planted-bias check
-@pytest.mark.parametrize("batch", [4, 16])
-def test_exact_cspd_tokens_are_the_backbones_final_step_gaussians(batch):
+@pytest.mark.parametrize("batch,gamma", [(4, 4), (16, 4), (16, "auto")])
+def test_exact_cspd_tokens_are_the_backbones_final_step_gaussians(batch, gamma):
     """Each token, standardized by the backbone's final-step Gaussian given the image's own earlier tokens, is
-    N(0, 1) (KS, 8,192 values each): at batch 16 images re-feed the tokens they verified ahead of the others."""
-    p_value, acceptance = cspd_exactness(perturbed_drafter(tiny_continuous(), scale=1e-3), CSpDConfig(), batch)
+    N(0, 1) (KS, 8,192 values each): at batch 16 images re-feed the tokens they verified ahead of the others;
+    gamma auto chooses each round's length from the rounds before it (decode/gamma_choice.py)."""
+    settings = CSpDConfig(gamma=gamma)
+    p_value, acceptance = cspd_exactness(perturbed_drafter(tiny_continuous(), scale=1e-3), settings, batch)
     assert 0.1 < acceptance < 0.9, acceptance  # kept drafts and residual draws both carry weight
     assert p_value > 1e-3, p_value
 

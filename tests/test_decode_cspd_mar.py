@@ -66,6 +66,20 @@ def test_drafter_equal_to_the_target_accepts_every_draft_and_gives_the_targets_t
     assert result.extras["residual_fallbacks"] == 0
 
 
+def test_with_cost_aware_rounds_a_drafter_equal_to_the_target_gives_the_targets_tokens(target):
+    class_ids = torch.tensor([1, 4, 7])
+    orders, noise = draws(3, target)
+    own = target.sample(class_ids, num_iter=16, cfg_scale=3.0, orders=orders, noise=noise)
+    result = generate_cspd_mar(
+        target, target, class_ids, CSpDMARConfig(gamma="auto", max_gamma=5), 16, 3.0,
+        orders=orders, noise=noise, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    torch.testing.assert_close(result.tokens.view(3, SEQ, DIM), own, rtol=1e-7, atol=0)
+    assert result.accepted_tokens == result.drafted_tokens > 0
+    rounds = result.extras["window_passes"]
+    assert rounds >= 2 and 1 <= result.extras["window_sum"] / rounds <= 5
+
+
 def test_each_image_keeps_the_steps_it_verified_when_another_image_stops(target, monkeypatch):
     """The target drafting for itself, but each round one of two images, in turn, gets hopeless drafts (a
     Gaussian a thousand times too sure of each token: rejected). Committing only the steps both kept takes one
@@ -126,9 +140,10 @@ def exactness_statistic(target, drafter, settings, num_iter=8, cfg=1.0, batch=30
 
 
 @pytest.mark.slow  # statistical; test_the_exactness_check_catches_planted_biases runs in the fast tier
-@pytest.mark.parametrize("cfg", [1.0, 3.0])
-def test_exact_cspd_on_mar_has_the_targets_distribution(target, cfg):
-    p_value, result = exactness_statistic(target, near_copy(target, 1e-9), CSpDMARConfig(gamma=3), cfg=cfg)
+@pytest.mark.parametrize("cfg,gamma", [(1.0, 3), (3.0, 3), (3.0, "auto")])
+def test_exact_cspd_on_mar_has_the_targets_distribution(target, cfg, gamma):
+    """gamma auto: each round's length chosen by measured cost (decode/gamma_choice.py), from earlier rounds."""
+    p_value, result = exactness_statistic(target, near_copy(target, 1e-9), CSpDMARConfig(gamma=gamma), cfg=cfg)
     rate = result.accepted_tokens / result.drafted_tokens
     assert 0.1 < rate < 0.9, rate  # both branches (kept drafts and residual draws) are exercised
     assert p_value > 1e-3, p_value
@@ -216,7 +231,8 @@ def test_exact_setting_refuses_models_without_last_step_noise():
 @pytest.mark.parametrize(
     "values,message",
     [
-        (dict(gamma=0), "gamma must be >= 1"),
+        (dict(gamma=0), "gamma must be an int >= 1 or 'auto'"),
+        (dict(gamma="auto", verification="window"), "gamma auto needs verification prefix"),
         (dict(verification="rows"), "verification must be one of"),
         (dict(tau=0.5), "tau must be a finite number >= 1"),
         (dict(prefill_fraction=1.0), "prefill_fraction must be in"),

@@ -192,5 +192,6 @@ def test_the_embedded_mar_recipes_train_export_and_decode_with_cspd(tmp_path, mo
     train_and_save(tmp_path / "checkpoints" / "digits-classifier", 8, 16, log=lambda _: None)  # scores 8x8 digits
     report = run_decode(compose_config(decode + [f"paths.checkpoints_dir={tmp_path / 'checkpoints'}"], tmp_path / "d"))
     assert report["methods"]["cspd_mar"]["lossless"] and not report["methods"]["mar_grouped"]["lossless"]
+    assert report["methods"]["cspd_mar_auto"]["lossless"]
     assert report["methods"]["ar"]["forward_passes_per_image"] == 16
     assert report["methods"]["mar_grouped"]["forward_passes_per_image"] < 16
