@@ -159,3 +159,14 @@ def test_the_comparison_runs_mulo_at_the_operating_point_its_experiment_measures
     mulo = compose_config(["+experiment=mulo_digits"], tmp_path).decode.presets
     for name in ("mulo", "mulo_exact"):
         assert OmegaConf.to_container(compare[name]) == OmegaConf.to_container(mulo[name]), name
+
+
+def test_every_preset_file_is_bound_as_a_preset_and_builds_its_settings(tmp_path):
+    """A file in conf/method/ is a preset only once conf/decode/default.yaml binds it (else `decode.methods` refuses
+    its name); each one's generator and settings check out."""
+    from decode.registry import check_methods
+
+    files = sorted(path.stem for path in (CONF_DIR / "method").glob("*.yaml"))
+    cfg = compose_config([f"decode.methods=[{','.join(files)}]", "decode.mar_drafter=/any/mar"], tmp_path)
+    assert set(files) == set(cfg.decode.presets), "a preset file is not bound in conf/decode/default.yaml"
+    assert [method.name for method in check_methods(cfg.decode)] == files
