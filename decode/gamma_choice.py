@@ -29,23 +29,19 @@ class GammaChooser:
             raise ValueError(f"cost-aware gamma needs max_gamma >= 1, got {max_gamma}")
         self.max_gamma, self.device, self.prior, self.prior_weight = max_gamma, device, prior, 4.0
         self.reached, self.kept = 0.0, 0.0
-        self.lengths: list[int] = []  # each round's drafts and seconds, for the cost fit
+        self.lengths: list[int] = []  # each ended round's drafts and seconds, for the cost fit
         self.seconds: list[float] = []
-        self.chosen: list[int] = []
         self._began = 0.0
 
     def choose(self) -> int:
         """The next round's draft length (the first two rounds: 1, then 2 where allowed)."""
-        if len(self.chosen) < 2:
-            gamma = min(len(self.chosen) + 1, self.max_gamma)
-        else:
-            rate = (self.kept + self.prior * self.prior_weight) / (self.reached + self.prior_weight)
-            gammas = torch.arange(1, self.max_gamma + 1, dtype=torch.float64)
-            expected = (rate ** torch.arange(0, self.max_gamma + 1, dtype=torch.float64)).cumsum(0)[1:]
-            base, slope = self.cost_line()
-            gamma = int(torch.argmax(expected / (base + slope * gammas).clamp(min=1e-9))) + 1
-        self.chosen.append(gamma)
-        return gamma
+        if len(self.lengths) < 2:  # (rounds alternate choose, end_round: this is the round's index)
+            return min(len(self.lengths) + 1, self.max_gamma)
+        rate = (self.kept + self.prior * self.prior_weight) / (self.reached + self.prior_weight)
+        gammas = torch.arange(1, self.max_gamma + 1, dtype=torch.float64)
+        expected = (rate ** torch.arange(0, self.max_gamma + 1, dtype=torch.float64)).cumsum(0)[1:]
+        base, slope = self.cost_line()
+        return int(torch.argmax(expected / (base + slope * gammas).clamp(min=1e-9))) + 1
 
     def start_round(self) -> None:
         self._synchronize()
@@ -71,10 +67,6 @@ class GammaChooser:
         slope = float((spread * (seconds - seconds.mean())).sum() / (spread**2).sum()) if spread.abs().sum() else 0.0
         slope = max(0.0, slope)
         return max(1e-9, float(seconds.mean()) - slope * float(lengths.mean())), slope
-
-    @property
-    def mean_gamma(self) -> float:
-        return sum(self.chosen) / max(1, len(self.chosen))
 
     def _synchronize(self) -> None:
         if self.device is not None and self.device.type == "cuda":
