@@ -3,6 +3,7 @@
 Public API (stable; use it from your own scripts)::
 
     from decode import Condition, SamplingConfig, SSDDecodeConfig, generate_ar, generate_ssd
+    from decode import RaggedSSDConfig, generate_ssd_ragged                # batches: ragged frontiers, a queue
     from decode import MuLoDecodeConfig, generate_mulo
     from decode import CSpDConfig, generate_continuous_ar, generate_cspd   # continuous-token backbones
     from decode import CSpDMARConfig, generate_cspd_mar                   # MAR (backbones.mar.load_mar_backbone)
@@ -17,6 +18,7 @@ from decode.mulo import MuLoDecodeConfig, generate_mulo
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
 from decode.ssd import SSDDecodeConfig, generate_ssd
+from decode.ssd_ragged import RaggedSSDConfig, generate_ssd_ragged
 
 __all__ = [
     "CSpDConfig",
@@ -24,6 +26,7 @@ __all__ = [
     "Condition",
     "GenerationResult",
     "MuLoDecodeConfig",
+    "RaggedSSDConfig",
     "SamplingConfig",
     "SSDDecodeConfig",
     "generate_ar",
@@ -32,4 +35,5 @@ __all__ = [
     "generate_cspd_mar",
     "generate_mulo",
     "generate_ssd",
+    "generate_ssd_ragged",
 ]

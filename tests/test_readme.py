@@ -20,6 +20,7 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     namespace = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["images"].shape == (2, 1, 24, 24)
+    assert namespace["many"].tokens.shape == (8, 24, 24)
     assert "backbone passes instead of 576" in capsys.readouterr().out
 
 
