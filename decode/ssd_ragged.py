@@ -82,8 +82,9 @@ _DRAFT, _TEST, _RESIDUAL, _FIRST = 0, 1, 2, 3
 class RaggedSSDConfig:
     """How ragged SSD drafts, verifies and schedules."""
 
-    # exact: lossless speculative sampling; prefix: the exact rule for rounds + 1 passes per row, then the row's
-    # re-drafted rest is kept unverified (decode/ssd.py's autocorrect with correction prefix)
+    # exact: lossless speculative sampling; prefix: the exact rule for a row's first rounds + 1 corrections, then
+    # its re-drafted rest is kept unverified (decode/ssd.py's autocorrect with correction prefix: with whole-row
+    # windows, rounds + 1 passes per row; corrections, not passes, so that windows never change the tokens)
     mode: Literal["exact", "prefix"] = "exact"
     rounds: int = 1
     grid_steps: int = 6  # grid heads: positions re-drafted along the row after each token the backbone gave
@@ -126,7 +127,7 @@ class RaggedSSDConfig:
 class _Slots:
     """The images being decoded: per slot its image, row, frontier and drafts (B slots, G = twins * B rows)."""
 
-    def __init__(self, backbone: ARImageBackbone, drafter: SSDRowDrafter, batch: int, device, dtype, lookahead: bool):
+    def __init__(self, backbone: ARImageBackbone, drafter: SSDRowDrafter, batch: int, device, dtype, lookahead, prefix):
         rows, cols, hidden = backbone.geometry.rows, backbone.geometry.cols, backbone.hidden_size
         cache_rows = drafter.twins * batch
         self.rows = rows
@@ -146,13 +147,16 @@ class _Slots:
         self.above_states = torch.zeros(cache_rows, cols, hidden, device=device, dtype=dtype)
         self.above_tokens = torch.zeros(batch, cols, dtype=torch.long, device=device)
         self.above_prepared: torch.Tensor | None = None  # the grid head's share of each slot's row above
-        self.row_passes = torch.zeros(batch, dtype=torch.long, device=device)
+        # Corrections (rejections) in the current row: prefix mode's budget. Counting corrections, not passes,
+        # keeps its tokens independent of the windows (a pass that a window ends corrects nothing).
+        self.row_corrections = torch.zeros(batch, dtype=torch.long, device=device)
         self.tested = torch.zeros(batch, device=device)  # this image's tests and acceptances (cost model)
         self.accepted = torch.zeros(batch, device=device)
         self.lookahead = lookahead
-        if lookahead:
-            # The heads' predicted state behind each draft (the next row is drafted from them where the exact
-            # state was not known at the row's last correction).
+        if lookahead or prefix:
+            # The heads' predicted state behind each draft: the next row is drafted from them where the exact
+            # state was not known at the row's last correction (lookahead), or where prefix mode keeps a row's
+            # rest unverified.
             self.drafts.predicted = torch.zeros(cache_rows, cols, hidden, device=device, dtype=dtype)
             # Columns whose exact state the next row's drafts read: those known at the row's last correction (or
             # its start), so the next row's drafts depend on the image's corrections, never on the windows.
@@ -192,7 +196,7 @@ def generate_ssd_ragged(
     state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
     device = first.device
     drafter = SSDRowDrafter(backbone, heads, state, sampling, generator, config.drafting(), device)
-    run = _Slots(backbone, drafter, slots, device, first.dtype, config.lookahead)
+    run = _Slots(backbone, drafter, slots, device, first.dtype, config.lookahead, config.mode == "prefix")
     output = torch.zeros(count, rows * cols, dtype=torch.long, device=device)
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
     chooser = (
@@ -270,7 +274,7 @@ def _start_images(run: _Slots, drafter: SSDRowDrafter, slots, images, seeds, fir
     run.image[slots], run.seed[slots] = images, seeds[images.to(seeds.device)].to(run.seed.device)
     run.row[slots] = 0
     run.cached[slots] = 0
-    run.row_passes[slots] = 0
+    run.row_corrections[slots] = 0
     run.tested[slots], run.accepted[slots] = 0.0, 0.0
     run.states[twin_slots] = 0
     run.state_known[slots] = False
@@ -298,11 +302,11 @@ def _draw_first(run: _Slots, drafter: SSDRowDrafter, slots, first_state: torch.T
     run.committed[slots] = 1
 
 
-def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: bool) -> None:
+def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: bool, to_end: bool = False) -> None:
     """Re-draft each slot's row after `positions` (the backbone gave those tokens; their states are known),
     with uniforms keyed per image; each re-drafted position's attempt count goes up by one. Row 0
     (`first_row`) is drafted by the horizontal head to its end, later rows by the grid head where there is
-    one (else `horizontal_steps` positions by the horizontal head)."""
+    one (`grid_steps` positions, all of them with `to_end`; else `horizontal_steps` by the horizontal head)."""
     cols = drafter.cols
 
     def uniforms(steps: int) -> torch.Tensor:
@@ -317,7 +321,9 @@ def _redraft(run: _Slots, drafter: SSDRowDrafter, slots, positions, first_row: b
     exact_state = run.states[drafter.twin(slots), positions.repeat(drafter.twins)]
     above_prepared = None if first_row or not drafter.has_grid else run.above_prepared
     # The drafter reads the row index only to tell row 0 (drafted horizontally to the end) from the others.
-    drafter.redraft(run.drafts, 0 if first_row else 1, slots, positions, exact_state, above_prepared, uniforms=uniforms)
+    drafter.redraft(
+        run.drafts, 0 if first_row else 1, slots, positions, exact_state, above_prepared, to_end, uniforms=uniforms
+    )
 
 
 def _ragged_pass(
@@ -439,14 +445,14 @@ def _test_and_correct(
     counts["accepted"] += int(accepted.sum())
     run.tested += tested.float()
     run.accepted += accepted.float()
-    run.row_passes += active.long()
     opened = active & (extent > run.committed)
     # No rejection: every verified draft is final, and so are their cache slots.
     run.committed = torch.where(opened & ~rejected, extent, run.committed)
     run.cached = torch.where(opened & ~rejected, run.row * cols + extent, run.cached)
+    run.row_corrections += rejected.long()
     fixed = torch.nonzero(rejected)[:, 0]
     if len(fixed) == 0:
-        return _keep_unverified(run, drafter, config) if config.mode == "prefix" else None
+        return None
     deferred = None
     position = rejected_at[fixed]
     residual = residual_distribution(p[fixed, position], drafts.q[fixed, position])
@@ -465,20 +471,37 @@ def _test_and_correct(
         if config.mode == "exact":  # later rows join the re-drafts of the rows that start this round
             deferred, more = more[~first_row], more[first_row]
             first_row = first_row[first_row]
-        for group, is_first in ((more[first_row], True), (more[~first_row], False)):
+        # prefix mode: a row's (rounds + 1)-th correction re-drafts its rest to the end, to be kept unverified
+        spent = run.row_corrections[more] > config.rounds if config.mode == "prefix" else torch.zeros_like(first_row)
+        for group, is_first, to_end in (
+            (more[first_row], True, False),
+            (more[~first_row & ~spent], False, False),
+            (more[~first_row & spent], False, True),
+        ):
             if len(group):
-                _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first)
+                _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first, to_end=to_end)
         run.grid[more[:, None], (run.row[more] * cols)[:, None] + arange[None, :cols]] = drafts.tokens[more]
     if config.mode == "prefix":
-        _keep_unverified(run, drafter, config)
+        _keep_unverified(run, drafter, fixed, config)
     return deferred
 
 
-def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, config: RaggedSSDConfig) -> None:
-    """Prefix mode: a row that has had rounds + 1 passes keeps its open drafts as they stand."""
-    spent = run.active & (run.row_passes > config.rounds) & (run.committed < drafter.cols)
-    if bool(spent.any()):
-        run.committed[spent] = drafter.cols
+def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, corrected: torch.Tensor, config: RaggedSSDConfig) -> None:
+    """Prefix mode: a row whose (rounds + 1)-th correction this was keeps its rest, re-drafted to the end from
+    the correction, unverified (with whole-row windows: at most rounds + 1 passes per row, decode/ssd.py's
+    autocorrect with correction prefix). The kept positions' states, which the next row is drafted from, are
+    the heads' predictions behind those drafts: they depend on the corrections only, never on how far earlier
+    passes reached (a pass's states right of a rejection saw the rejected token)."""
+    corrected = corrected[run.row_corrections[corrected] > config.rounds]
+    corrected = corrected[run.committed[corrected] < drafter.cols]
+    if not len(corrected):
+        return
+    cols = drafter.cols
+    rest = torch.arange(cols, device=corrected.device)[None] >= run.committed[corrected][:, None]  # (k, C)
+    twin_rows = drafter.twin(corrected)
+    kept = rest.repeat(drafter.twins, 1)[..., None]
+    run.states[twin_rows, :cols] = torch.where(kept, run.drafts.predicted[twin_rows], run.states[twin_rows, :cols])
+    run.committed[corrected] = cols
 
 
 def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferred=None, among=None):
@@ -517,7 +540,7 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferre
     next_state = run.states[twin_going, cols]
     previous_cached = run.cached[going]
     run.row[going] += 1
-    run.row_passes[going] = 0
+    run.row_corrections[going] = 0
     run.attempts[going] = 0
     run.states[twin_going] = 0
     run.state_known[going] = False
@@ -540,6 +563,8 @@ def _finish_rows(run: _Slots, drafter: SSDRowDrafter, output, rows: int, deferre
         )
         run.attempts[going] = 1
         run.drafts.tokens[going], run.drafts.q[going] = vertical.tokens, vertical.q
+        if run.drafts.predicted is not None:  # prefix mode may keep a vertical draft unverified
+            run.drafts.predicted[twin_going] = vertical.predicted
     run.committed[going] = 0
     # Where the pass did not give the state after the row's last token (a correction there, or prefix mode's
     # unverified rest), the cache lacks that row's tail: the next pass feeds it before the new drafts.

@@ -101,6 +101,7 @@ RAGGED_CASES = [
     ("ssd_ragged_w2_slots2", "decode.ssd_ragged", {"window": 2, "slots": 2}),
     ("ssd_ragged_lookahead", "decode.ssd_ragged", {"window": 0, "lookahead": True}),
     ("ssd_ragged_lookahead_w4_slots2", "decode.ssd_ragged", {"window": 4, "slots": 2, "lookahead": True}),
+    ("ssd_ragged_prefix_w3_slots2", "decode.ssd_ragged", {"window": 3, "slots": 2, "mode": "prefix", "rounds": 1}),
     ("eagle_ragged", "decode.eagle_ragged", {}),
     ("eagle_ragged_d3_slots2", "decode.eagle_ragged", {"depth": 3, "slots": 2}),
     ("lantern_ragged_slots2", "decode.lantern_ragged", {"slots": 2, "delta": 0.3}),

@@ -206,6 +206,20 @@ def test_prefix_mode_spends_at_most_rounds_plus_one_passes_per_row_and_is_exact_
     assert torch.equal(generous.tokens, ar)
 
 
+def test_prefix_mode_spends_its_budget_on_corrections_so_its_tokens_do_not_depend_on_the_window(tiny_backbone):
+    """mode prefix counts a row's corrections, not its passes: a window that ends a pass before the row's end
+    (fixed, or chosen by the measured cost) corrects nothing and leaves the image's tokens as the whole-row
+    passes give them, so the approximate preset keeps its images whatever the timings and the batch."""
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(tiny_backbone.hidden_size, seed=0, std=0.3, grid=True)
+    whole_rows = _ragged(tiny_backbone, heads, QUEUE, sampling, mode="prefix", rounds=1, slots=4)
+    for window, slots in ((2, 4), (3, 1), ("auto", 10)):
+        windowed = _ragged(tiny_backbone, heads, QUEUE, sampling, mode="prefix", rounds=1, slots=slots, window=window)
+        assert torch.equal(windowed.tokens, whole_rows.tokens), f"window {window}, {slots} slots"
+        if slots == 4:  # the windows did stop passes short: more of them for the same images
+            assert windowed.forward_passes > whole_rows.forward_passes
+
+
 def test_the_window_chooser_charges_lookahead_drafting_to_the_windows_that_cause_it(tiny_backbone):
     """Flat pass costs and every draft passing: the chooser takes the longest window, past the row's end. Once
     rounds that draft the next row ahead have cost far more than the others, it stops at the row's end for an
