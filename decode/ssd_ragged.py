@@ -414,10 +414,11 @@ def _test_and_correct(
     run: _Slots, drafter: SSDRowDrafter, out, lengths, starts, config: RaggedSSDConfig, counts, among=None
 ) -> torch.Tensor | None:
     """Store each image's new states, test its open drafts, draw its first rejection from the residual and
-    re-draft the rest of its row from there; budget-spent rows (prefix mode) keep their drafts. In exact mode
-    the re-drafts of rows below the first are returned instead (slots; from their last committed position), to
-    run in one call with the rows that start in this round (`_finish_rows`). `starts` (B,): the grid position
-    each image's run began at; `among` (B,) bool: only these images (lookahead: the row a pass went on into)."""
+    re-draft the rest of its row from there; budget-spent rows (prefix mode) re-draft to the end and keep it.
+    The other re-drafts of rows below the first are returned instead (slots; from their last committed
+    position), to run in one call with the rows that start in this round (`_finish_rows`). `starts` (B,): the
+    grid position each image's run began at; `among` (B,) bool: only these images (lookahead: the row a pass
+    went on into)."""
     cols = drafter.cols
     batch = run.image.shape[0]
     active = run.active if among is None else run.active & among
@@ -468,11 +469,10 @@ def _test_and_correct(
     more = fixed[position < cols - 1]
     if len(more):
         first_row = run.row[more] == 0
-        if config.mode == "exact":  # later rows join the re-drafts of the rows that start this round
-            deferred, more = more[~first_row], more[first_row]
-            first_row = first_row[first_row]
-        # prefix mode: a row's (rounds + 1)-th correction re-drafts its rest to the end, to be kept unverified
+        # prefix mode: a row's (rounds + 1)-th correction re-drafts its rest to the end now, to be kept unverified
         spent = run.row_corrections[more] > config.rounds if config.mode == "prefix" else torch.zeros_like(first_row)
+        later = ~first_row & ~spent  # later rows join the re-drafts of the rows that start this round
+        deferred, more, first_row, spent = more[later], more[~later], first_row[~later], spent[~later]
         for group, is_first, to_end in (
             (more[first_row], True, False),
             (more[~first_row & ~spent], False, False),
