@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -84,6 +83,30 @@ def _head_step(head: EagleHead, cache, states, embeddings, starts: torch.Tensor,
         return head(states.to(head.fc.weight.dtype), embeddings.to(head.fc.weight.dtype), cache, **positional)
 
 
+class _Chains:
+    """The images being decoded, per slot (B slots, G = twins * B rows): its image and seed, its tokens so far, the
+    backbone's true states of its committed positions, how many drafts each position had, its frontier and how far
+    the head's cache holds true inputs. `drain.drain_finished` keeps the rows of every tensor here."""
+
+    def __init__(self, slots: int, total: int, first: torch.Tensor, seeds: torch.Tensor):
+        device = first.device
+        self.image = torch.arange(slots, device=device)  # -1: empty
+        self.seed = seeds[:slots].to(device)
+        self.tokens = torch.zeros(slots, total, dtype=torch.long, device=device)
+        self.true_states = first.new_zeros(first.shape[0], total + 1, first.shape[-1])  # [:, i] predicts token i
+        self.attempts = torch.zeros(slots, total + 1, dtype=torch.long, device=device)  # drafts each position had
+        self.committed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
+
+    @property
+    def active(self) -> torch.Tensor:
+        return self.image >= 0
+
+    @property
+    def slots(self) -> int:
+        return self.image.shape[0]
+
+
 @torch.inference_mode()
 def generate_eagle_ragged(
     backbone: ARImageBackbone,
@@ -105,138 +128,46 @@ def generate_eagle_ragged(
     total = backbone.geometry.num_tokens
     seeds = image_seeds(count, generator)
     state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
-    device, twins = first.device, first.shape[0] // slots
-    score_draft = backbone.draft_scorer(state, sampling.cfg_scale)
+    device = first.device
+    run = _Chains(slots, total, first, seeds)
     cache = head.new_cache()
     output = torch.zeros(count, total, dtype=torch.long, device=device)
-    tokens = torch.zeros(slots, total, dtype=torch.long, device=device)
-    true_states = first.new_zeros(first.shape[0], total + 1, first.shape[-1])  # [:, i] predicts token i
-    attempts = torch.zeros(slots, total + 1, dtype=torch.long, device=device)  # drafts each position had
-    image = torch.arange(slots, device=device)
-    seed = seeds[:slots].to(device)
-    committed = torch.zeros(slots, dtype=torch.long, device=device)
-    head_cached = torch.zeros(slots, dtype=torch.long, device=device)  # head entries from true inputs
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
     longest = config.max_depth if config.depth == "auto" else config.depth
     counts = {"passes": 1, "drafted": 0, "accepted": 0, "window_sum": 0, "window_passes": 0, "drains": 0}
     counts |= {f"{kind}_at_draft_step_{j + 1}": 0 for j in range(longest) for kind in ("drafted", "accepted")}
     chooser = _DepthChooser(backbone, state, slots, sampling.guided, longest) if config.depth == "auto" else None
+    draft_scorer = backbone.draft_scorer(state, sampling.cfg_scale)
 
-    def start(rows: torch.Tensor, first_states: torch.Tensor) -> None:
-        true_states[state.rows_of(rows)] = 0
-        true_states[state.rows_of(rows), 0] = first_states[:, 0]
-        attempts[rows] = 0
-        head_cached[rows] = 0
-        p = token_distribution(backbone.scores(state, first_states, sampling.cfg_scale), sampling)[:, 0]
-        zero = torch.zeros_like(rows)
-        tokens[rows, 0] = sample_with(p, keyed_uniforms(seed[rows], zero, zero, _TARGET))
-        committed[rows] = 1
-
-    start(torch.arange(slots, device=device), first)
-    while bool((image >= 0).any()):
+    _start(backbone, state, sampling, run, torch.arange(slots, device=device), first)
+    while bool(run.active.any()):
         round_began = time.perf_counter()
-        active = image >= 0
-        frontier = torch.where(active, committed, 1)  # an empty slot drafts at position 1 and is ignored
-        # 1. Catch-up: each image's positions [head_cached, frontier) with their true states and tokens.
-        width = int((frontier - head_cached).max())
-        positions = (head_cached[:, None] + torch.arange(width, device=device)).clamp(max=total - 1)
-        twin_positions = positions.repeat(twins, 1)
-        caught = _head_step(
-            head,
-            cache,
-            true_states.gather(1, twin_positions[..., None].expand(-1, -1, first.shape[-1])),
-            backbone.embed_image_tokens(tokens.gather(1, positions)).repeat(twins, 1, 1),
-            head_cached.repeat(twins),
-            total,
-        )
-        last = (frontier - 1 - head_cached).repeat(twins)
-        predicted = caught[torch.arange(caught.shape[0], device=device), last][:, None]  # predicts `frontier`
-        head_cached = frontier.clone()
-        # 2. The chain, every image from its own frontier.
+        frontier = torch.where(run.active, run.committed, 1)  # an empty slot drafts at position 1 and is ignored
+        predicted = _catch_up(backbone, head, cache, run, frontier)
         depth = min(chooser.choose() if chooser else config.depth, total - int(frontier.min()))
         chain_began = time.perf_counter()
-        chain = torch.zeros(slots, depth, dtype=torch.long, device=device)
-        q = torch.zeros(slots, depth, backbone.codebook_size, device=device)
-        rows = torch.arange(slots, device=device)
-        for j in range(depth):
-            position = (frontier + j).clamp(max=total)
-            q[:, j] = token_distribution(score_draft(predicted), sampling)[:, 0]
-            attempts[rows, position] += 1
-            uniform = keyed_uniforms(seed, position, attempts[rows, position], _DRAFT)
-            chain[:, j] = sample_with(q[:, j], uniform)
-            if j < depth - 1:
-                embedded = backbone.embed_image_tokens(chain[:, j : j + 1]).repeat(twins, 1, 1)
-                predicted = _head_step(head, cache, predicted, embedded, (frontier + j).repeat(twins), total)
+        chain, q = _draft_chain(backbone, head, cache, sampling, draft_scorer, run, frontier, predicted, depth)
         chain_seconds = time.perf_counter() - chain_began
-        # 3. One ragged pass: the last committed token and the chain.
-        feed = torch.cat([tokens.gather(1, (frontier - 1)[:, None]), chain], dim=1)
-        out = backbone.step_ragged(state, feed, frontier - 1)  # out[:, k] predicts frontier + k
-        counts["passes"] += 1
-        p = token_distribution(backbone.scores(state, out, sampling.cfg_scale), sampling)  # (B, depth + 1, V)
-        offsets = torch.arange(depth, device=device)
-        chain_positions = frontier[:, None] + offsets[None]
-        inside = (chain_positions < total) & active[:, None]
-        test_uniform = keyed_uniforms(
-            seed[:, None], chain_positions, attempts.gather(1, chain_positions.clamp(max=total)), _TEST
-        )
-        kept, rejected, reached, correction = judge_chains(accept, p, q, chain, inside, test_uniform)
-        reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < kept[:, None])).sum(0)
-        for j in range(depth):
-            counts[f"drafted_at_draft_step_{j + 1}"] += int(reached_by_step[j])
-            counts[f"accepted_at_draft_step_{j + 1}"] += int(kept_by_step[j])
-        counts["drafted"] += int(reached.sum())
-        counts["accepted"] += int(kept.sum())
-        counts["window_sum"] += depth
-        counts["window_passes"] += 1
-        # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
-        next_position = frontier + kept
-        has_next = active & (next_position < total)
-        kind = torch.where(rejected, _RESIDUAL, _TARGET)
-        clamped = next_position.clamp(max=total)
-        next_uniform = keyed_uniforms(seed, clamped, attempts[rows, clamped], kind)
-        next_token = sample_with(correction, next_uniform)
-        # Commit the accepted drafts and the next token; keep the pass's states whose context is final.
-        new_committed = torch.where(has_next, next_position + 1, torch.where(active, next_position, committed))
-        write = (offsets[None] < kept[:, None]) & active[:, None]
-        tokens[rows[:, None].expand_as(chain)[write], chain_positions[write]] = chain[write]
-        tokens[rows[has_next], next_position[has_next]] = next_token[has_next]
-        state_positions = frontier[:, None] + torch.arange(depth + 1, device=device)[None]  # out[:, k]'s
-        final = (state_positions < new_committed[:, None]) & active[:, None]
-        twin_final, twin_positions = final.repeat(twins, 1), state_positions.repeat(twins, 1)
-        twin_rows = torch.arange(out.shape[0], device=device)[:, None].expand_as(twin_positions)
-        true_states[twin_rows[twin_final], twin_positions[twin_final]] = out[twin_final]
-        committed = new_committed
+        reached_by_step, kept_by_step = _verify(backbone, state, sampling, accept, run, frontier, chain, q, counts)
         if chooser:
             chooser.observe(time.perf_counter() - round_began, chain_seconds, depth, reached_by_step, kept_by_step)
-        # 4. Images that are done: written out, their slots to the next of the queue.
-        done = torch.nonzero(active & (committed >= total))[:, 0]
+        # Images that are done: written out, their slots to the next of the queue.
+        done = torch.nonzero(run.active & (run.committed >= total))[:, 0]
         if len(done):
-            output[image[done]] = tokens[done]
+            output[run.image[done]] = run.tokens[done]
             refill, images, fresh_first, prefilled = refill_slots(backbone, state, queue, done)
             counts["passes"] += int(prefilled)
             if len(refill):
-                image[refill], seed[refill] = images, seeds[images.to(seeds.device)].to(device)
-                start(refill, fresh_first)
-            image[done[len(refill) :]] = -1
-            head_cached[done[len(refill) :]] = 0  # an empty slot catches up on position 0 only
+                run.image[refill], run.seed[refill] = images, seeds[images.to(seeds.device)].to(device)
+                _start(backbone, state, sampling, run, refill, fresh_first)
+            run.image[done[len(refill) :]] = -1
+            run.head_cached[done[len(refill) :]] = 0  # an empty slot catches up on position 0 only
             if config.drain and not len(queue):  # the queue is dry: finished slots leave the batch
-                per_slot = SimpleNamespace(
-                    tokens=tokens,
-                    true_states=true_states,
-                    attempts=attempts,
-                    image=image,
-                    seed=seed,
-                    committed=committed,
-                    head_cached=head_cached,
-                )
-                kept = drain_finished(backbone, state, image >= 0, [per_slot], config.drain, caches=(cache,))
+                slots_before = run.slots
+                kept = drain_finished(backbone, state, run.active, [run], config.drain, caches=(cache,))
                 if kept is not None:
-                    tokens, true_states, attempts = per_slot.tokens, per_slot.true_states, per_slot.attempts
-                    image, seed, committed = per_slot.image, per_slot.seed, per_slot.committed
-                    head_cached = per_slot.head_cached
                     if chooser:
-                        chooser.rescale(len(kept) / slots)
-                    slots = len(kept)
+                        chooser.rescale(len(kept) / slots_before)
                     counts["drains"] += 1
     return GenerationResult(
         output.view(count, backbone.geometry.rows, backbone.geometry.cols),
@@ -245,6 +176,105 @@ def generate_eagle_ragged(
         accepted_tokens=counts["accepted"],
         extras={k: v for k, v in counts.items() if k not in ("passes", "drafted", "accepted")},
     )
+
+
+def _start(backbone: ARImageBackbone, state, sampling: SamplingConfig, run: _Chains, rows, first_states) -> None:
+    """Slots `rows` start their images: the state after the prompt (`first_states`, their cache rows) gives
+    each its first token, drawn from the backbone with the image's own keyed uniform."""
+    run.true_states[state.rows_of(rows)] = 0
+    run.true_states[state.rows_of(rows), 0] = first_states[:, 0]
+    run.attempts[rows] = 0
+    run.head_cached[rows] = 0
+    p = token_distribution(backbone.scores(state, first_states, sampling.cfg_scale), sampling)[:, 0]
+    zero = torch.zeros_like(rows)
+    run.tokens[rows, 0] = sample_with(p, keyed_uniforms(run.seed[rows], zero, zero, _TARGET))
+    run.committed[rows] = 1
+
+
+def _catch_up(backbone: ARImageBackbone, head: EagleHead, cache, run: _Chains, frontier) -> torch.Tensor:
+    """The head catches up on each image's positions [head_cached, frontier) with their true states and tokens
+    (one ragged head call); returns its prediction of the state at each frontier (G, 1, H)."""
+    total, twins = backbone.geometry.num_tokens, run.true_states.shape[0] // run.slots
+    width = int((frontier - run.head_cached).max())
+    positions = (run.head_cached[:, None] + torch.arange(width, device=frontier.device)).clamp(max=total - 1)
+    twin_positions = positions.repeat(twins, 1)
+    caught = _head_step(
+        head,
+        cache,
+        run.true_states.gather(1, twin_positions[..., None].expand(-1, -1, run.true_states.shape[-1])),
+        backbone.embed_image_tokens(run.tokens.gather(1, positions)).repeat(twins, 1, 1),
+        run.head_cached.repeat(twins),
+        total,
+    )
+    last = (frontier - 1 - run.head_cached).repeat(twins)
+    run.head_cached = frontier.clone()
+    return caught[torch.arange(caught.shape[0], device=frontier.device), last][:, None]  # predicts `frontier`
+
+
+def _draft_chain(backbone, head, cache, sampling, draft_scorer, run: _Chains, frontier, predicted, depth: int):
+    """Each image's chain of `depth` drafts from its own frontier (a ragged head call per step), each drawn with
+    its image's keyed uniform for that position and attempt. Returns the drafts (B, depth) and their q."""
+    total, twins, slots = backbone.geometry.num_tokens, run.true_states.shape[0] // run.slots, run.slots
+    device = frontier.device
+    chain = torch.zeros(slots, depth, dtype=torch.long, device=device)
+    q = torch.zeros(slots, depth, backbone.codebook_size, device=device)
+    rows = torch.arange(slots, device=device)
+    for j in range(depth):
+        position = (frontier + j).clamp(max=total)
+        q[:, j] = token_distribution(draft_scorer(predicted), sampling)[:, 0]
+        run.attempts[rows, position] += 1
+        uniform = keyed_uniforms(run.seed, position, run.attempts[rows, position], _DRAFT)
+        chain[:, j] = sample_with(q[:, j], uniform)
+        if j < depth - 1:
+            embedded = backbone.embed_image_tokens(chain[:, j : j + 1]).repeat(twins, 1, 1)
+            predicted = _head_step(head, cache, predicted, embedded, (frontier + j).repeat(twins), total)
+    return chain, q
+
+
+def _verify(backbone, state, sampling, accept: AcceptRule, run: _Chains, frontier, chain, q, counts):
+    """One ragged pass feeds each image its last committed token and its chain; the chain is tested left to
+    right, the residual (or the target after the last kept draft) gives the next token, and the accepted drafts,
+    that token and the pass's states whose context is final are committed. Returns the drafts the test reached
+    and kept per chain step (depth,)."""
+    total, device, depth = backbone.geometry.num_tokens, frontier.device, chain.shape[1]
+    twins, active, rows = run.true_states.shape[0] // run.slots, run.active, torch.arange(run.slots, device=device)
+    feed = torch.cat([run.tokens.gather(1, (frontier - 1)[:, None]), chain], dim=1)
+    out = backbone.step_ragged(state, feed, frontier - 1)  # out[:, k] predicts frontier + k
+    counts["passes"] += 1
+    p = token_distribution(backbone.scores(state, out, sampling.cfg_scale), sampling)  # (B, depth + 1, V)
+    offsets = torch.arange(depth, device=device)
+    chain_positions = frontier[:, None] + offsets[None]
+    inside = (chain_positions < total) & active[:, None]
+    test_uniform = keyed_uniforms(
+        run.seed[:, None], chain_positions, run.attempts.gather(1, chain_positions.clamp(max=total)), _TEST
+    )
+    kept, rejected, reached, correction = judge_chains(accept, p, q, chain, inside, test_uniform)
+    reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < kept[:, None])).sum(0)
+    for j in range(depth):
+        counts[f"drafted_at_draft_step_{j + 1}"] += int(reached_by_step[j])
+        counts[f"accepted_at_draft_step_{j + 1}"] += int(kept_by_step[j])
+    counts["drafted"] += int(reached.sum())
+    counts["accepted"] += int(kept.sum())
+    counts["window_sum"] += depth
+    counts["window_passes"] += 1
+    # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
+    next_position = frontier + kept
+    has_next = active & (next_position < total)
+    kind = torch.where(rejected, _RESIDUAL, _TARGET)
+    clamped = next_position.clamp(max=total)
+    next_token = sample_with(correction, keyed_uniforms(run.seed, clamped, run.attempts[rows, clamped], kind))
+    # Commit the accepted drafts and the next token; keep the pass's states whose context is final.
+    committed = torch.where(has_next, next_position + 1, torch.where(active, next_position, run.committed))
+    write = (offsets[None] < kept[:, None]) & active[:, None]
+    run.tokens[rows[:, None].expand_as(chain)[write], chain_positions[write]] = chain[write]
+    run.tokens[rows[has_next], next_position[has_next]] = next_token[has_next]
+    state_positions = frontier[:, None] + torch.arange(depth + 1, device=device)[None]  # out[:, k]'s
+    final = (state_positions < committed[:, None]) & active[:, None]
+    twin_final, twin_positions = final.repeat(twins, 1), state_positions.repeat(twins, 1)
+    twin_rows = torch.arange(out.shape[0], device=device)[:, None].expand_as(twin_positions)
+    run.true_states[twin_rows[twin_final], twin_positions[twin_final]] = out[twin_final]
+    run.committed = committed
+    return reached_by_step, kept_by_step
 
 
 class _DepthChooser:
