@@ -473,13 +473,10 @@ def _test_and_correct(
         spent = run.row_corrections[more] > config.rounds if config.mode == "prefix" else torch.zeros_like(first_row)
         later = ~first_row & ~spent  # later rows join the re-drafts of the rows that start this round
         deferred, more, first_row, spent = more[later], more[~later], first_row[~later], spent[~later]
-        for group, is_first, to_end in (
-            (more[first_row], True, False),
-            (more[~first_row & ~spent], False, False),
-            (more[~first_row & spent], False, True),
-        ):
+        # What is left: row 0 (its horizontal head drafts to the end) and rows whose budget this spent.
+        for group, is_first in ((more[first_row], True), (more[~first_row & spent], False)):
             if len(group):
-                _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first, to_end=to_end)
+                _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first, to_end=not is_first)
         run.grid[more[:, None], (run.row[more] * cols)[:, None] + arange[None, :cols]] = drafts.tokens[more]
     if config.mode == "prefix":
         _keep_unverified(run, drafter, fixed, config)
