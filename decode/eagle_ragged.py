@@ -106,6 +106,11 @@ class _Chains:
     def slots(self) -> int:
         return self.image.shape[0]
 
+    @property
+    def twins(self) -> int:
+        """Cache rows per image: 2 under guidance (conditional and unconditional), else 1."""
+        return self.true_states.shape[0] // self.slots
+
 
 @torch.inference_mode()
 def generate_eagle_ragged(
@@ -194,7 +199,7 @@ def _start(backbone: ARImageBackbone, state, sampling: SamplingConfig, run: _Cha
 def _catch_up(backbone: ARImageBackbone, head: EagleHead, cache, run: _Chains, frontier) -> torch.Tensor:
     """The head catches up on each image's positions [head_cached, frontier) with their true states and tokens
     (one ragged head call); returns its prediction of the state at each frontier (G, 1, H)."""
-    total, twins = backbone.geometry.num_tokens, run.true_states.shape[0] // run.slots
+    total, twins = backbone.geometry.num_tokens, run.twins
     width = int((frontier - run.head_cached).max())
     positions = (run.head_cached[:, None] + torch.arange(width, device=frontier.device)).clamp(max=total - 1)
     twin_positions = positions.repeat(twins, 1)
@@ -214,7 +219,7 @@ def _catch_up(backbone: ARImageBackbone, head: EagleHead, cache, run: _Chains, f
 def _draft_chain(backbone, head, cache, sampling, draft_scorer, run: _Chains, frontier, predicted, depth: int):
     """Each image's chain of `depth` drafts from its own frontier (a ragged head call per step), each drawn with
     its image's keyed uniform for that position and attempt. Returns the drafts (B, depth) and their q."""
-    total, twins, slots = backbone.geometry.num_tokens, run.true_states.shape[0] // run.slots, run.slots
+    total, twins, slots = backbone.geometry.num_tokens, run.twins, run.slots
     device = frontier.device
     chain = torch.zeros(slots, depth, dtype=torch.long, device=device)
     q = torch.zeros(slots, depth, backbone.codebook_size, device=device)
@@ -237,7 +242,7 @@ def _verify(backbone, state, sampling, accept: AcceptRule, run: _Chains, frontie
     that token and the pass's states whose context is final are committed. Returns the drafts the test reached
     and kept per chain step (depth,)."""
     total, device, depth = backbone.geometry.num_tokens, frontier.device, chain.shape[1]
-    twins, active, rows = run.true_states.shape[0] // run.slots, run.active, torch.arange(run.slots, device=device)
+    twins, active, rows = run.twins, run.active, torch.arange(run.slots, device=device)
     feed = torch.cat([run.tokens.gather(1, (frontier - 1)[:, None]), chain], dim=1)
     out = backbone.step_ragged(state, feed, frontier - 1)  # out[:, k] predicts frontier + k
     counts["passes"] += 1

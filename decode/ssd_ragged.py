@@ -478,19 +478,17 @@ def _test_and_correct(
             if len(group):
                 _redraft(run, drafter, group, run.committed[group] - 1, first_row=is_first, to_end=not is_first)
         run.grid[more[:, None], (run.row[more] * cols)[:, None] + arange[None, :cols]] = drafts.tokens[more]
-    if config.mode == "prefix":
-        _keep_unverified(run, drafter, fixed, config)
+        _keep_unverified(run, drafter, more[spent])
     return deferred
 
 
-def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, corrected: torch.Tensor, config: RaggedSSDConfig) -> None:
-    """Prefix mode: a row whose (rounds + 1)-th correction this was keeps its rest, re-drafted to the end from
-    the correction, unverified (with whole-row windows: at most rounds + 1 passes per row, decode/ssd.py's
-    autocorrect with correction prefix). The kept positions' states, which the next row is drafted from, are
-    the heads' predictions behind those drafts: they depend on the corrections only, never on how far earlier
-    passes reached (a pass's states right of a rejection saw the rejected token)."""
-    corrected = corrected[run.row_corrections[corrected] > config.rounds]
-    corrected = corrected[run.committed[corrected] < drafter.cols]
+def _keep_unverified(run: _Slots, drafter: SSDRowDrafter, corrected: torch.Tensor) -> None:
+    """Prefix mode: the slots `corrected`, whose row's (rounds + 1)-th correction this was (before its last
+    column), keep their rest, re-drafted to the end from the correction, unverified (with whole-row windows: at
+    most rounds + 1 passes per row, decode/ssd.py's autocorrect with correction prefix). The kept positions'
+    states, which the next row is drafted from, are the heads' predictions behind those drafts: they depend on
+    the corrections only, never on how far earlier passes reached (a pass's states right of a rejection saw the
+    rejected token)."""
     if not len(corrected):
         return
     cols = drafter.cols
