@@ -23,6 +23,17 @@ Here each pass verifies a tree of candidates drawn from the same heads:
    first token, so a row costs one pass when every rejection in it was covered
    by a sibling the target accepts.
 
+Lookahead (``lookahead = n``): a tree whose nodes reach the row's last column
+grows on `n` positions into the next row. For each expanded node at the last
+column, the row as that node's path has it (exact states and tokens up to the
+root, the heads' predicted states and the path's tokens after it) is the row
+above of the next row: the vertical head drafts the next row's first position
+from it and the grid head (heads without one: the horizontal head) the rest,
+as lossless SSD's lookahead drafts a row ahead (decode/ssd_drafting.py,
+`draft_next_row`), but per path. Where the walk accepts a whole row, the same
+pass verifies the next row's first tokens instead of ending at the row's
+last token. Lossless either way: it only changes which candidates a tree holds.
+
 Exactness: the candidates are deterministic given the drafts (point
 proposals), and every token of a path has the backbone's distribution given
 the path before it (decode/draft_tree.py), so greedy output is greedy AR's token
@@ -69,10 +80,15 @@ class SSDTreeConfig:
     # "fixed": every pass verifies `nodes`; "cost": at most `nodes`, only those whose expected tokens pay for
     # their place in the pass at this machine's measured pass cost (decode/tree_budget.py; not the authors')
     budget: str = "fixed"
+    # Positions of the next row a tree may hold past its root's row end (drafted per path from the row as the
+    # path has it; 0: trees end at the row's end)
+    lookahead: int = 0
 
     def __post_init__(self):
         if self.depth < 0:
             raise ValueError(f"ssd_tree depth must be >= 0 (0: to the row's end), got {self.depth}")
+        if self.lookahead < 0:
+            raise ValueError(f"ssd_tree lookahead must be >= 0 (0: trees end at the row's end), got {self.lookahead}")
         TreeShape(self.nodes, self.depth, self.top_k, self.beam, self.draws)  # the other checks
         if self.confidence not in ("calibrated", "draft"):
             raise ValueError(f"ssd_tree confidence must be 'calibrated' or 'draft', got {self.confidence!r}")
@@ -116,11 +132,16 @@ class SSDTreeDrafter:
         reach = self.cols - 1 - column
         if self._crosses(row, column):
             reach = self.cols
+        elif self._looks_ahead(row):
+            reach += min(self.config.lookahead, self.cols)
         config = self.config
         return TreeShape(config.nodes, min(config.depth or reach, reach), config.top_k, config.beam, config.draws)
 
     def _crosses(self, row: int, column: int) -> bool:
         return column == self.cols - 1 and row + 1 < self.rows and self.drafter.has_grid
+
+    def _looks_ahead(self, row: int) -> bool:
+        return self.config.lookahead > 0 and row + 1 < self.rows
 
     def expander(self, frontier: int, tokens: torch.Tensor, predicting: torch.Tensor):
         row, column = divmod(frontier, self.cols)
@@ -137,7 +158,9 @@ class SSDTreeDrafter:
                 predicted = heads.horizontal(states, drafter.embed(node_tokens))
                 return predicted, drafter.draft_scores(predicted)
 
-            return horizontal
+            return (
+                self._with_lookahead(horizontal, frontier, tokens, predicting) if self._looks_ahead(row) else horizontal
+            )
         above_prepared, grid_step, share, twins = (
             self.above_prepared,
             drafter.grid_step,
@@ -158,10 +181,73 @@ class SSDTreeDrafter:
                 predicted = grid_step(above[:, None].expand(-1, states.shape[1], -1), states, left_share)
             return predicted, drafter.draft_scores(predicted)
 
-        return along
+        return (
+            along
+            if crosses or not self._looks_ahead(row)
+            else self._with_lookahead(along, frontier, tokens, predicting)
+        )
+
+    def _with_lookahead(self, in_row, frontier: int, tokens: torch.Tensor, predicting: torch.Tensor):
+        """`in_row` (the draft step along the root's row) up to the row's last column; past it, each path's own
+        next row, drafted from the row as that path has it (the module docstring's lookahead)."""
+        cols, heads, drafter = self.cols, self.heads, self.drafter
+        row, column = divmod(frontier, cols)
+        last = cols - 1 - column  # the depth of the nodes at the row's last column
+        span = slice(row * cols, frontier + 1)  # the row up to the root: exact states, final tokens (and the root)
+        known_states, known_tokens = predicting[:, span], tokens[:, span]
+        # Pool node -> (the state that predicted it (rows, H), its tokens (B,)), for the nodes expanded so far.
+        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        row_of_path: dict[int, int] = {}  # an expanded node at or past the last column -> its path's row in `ahead`
+        ahead: dict[str, torch.Tensor] = {}  # the grid head's prepared rows above, (rows, paths, C, width)
+
+        def expand(nodes, pool_parents, states, node_tokens, depth):
+            if depth < last:
+                for i, node in enumerate(nodes):
+                    seen[node] = (states[:, i], node_tokens[:, i])
+                return in_row(nodes, pool_parents, states, node_tokens, depth)
+            if depth == last:  # the parents end the row: each path's row is the next row's row above
+                for i, node in enumerate(nodes):
+                    seen[node] = (states[:, i], node_tokens[:, i])
+                    row_of_path[node] = i
+                paths = [_ancestors(node, pool_parents, depth) for node in nodes]  # depths 1..last, root excluded
+                n = len(nodes)
+                above_states = known_states[:, None].expand(-1, n, -1, -1)
+                above_tokens = known_tokens[:, None].expand(-1, n, -1)
+                if depth:
+                    path_states = torch.stack([torch.stack([seen[a][0] for a in path], 1) for path in paths], 1)
+                    path_tokens = torch.stack([torch.stack([seen[a][1] for a in path], 1) for path in paths], 1)
+                    above_states = torch.cat([above_states, path_states], 2)  # (rows, n, C, H)
+                    above_tokens = torch.cat([above_tokens, path_tokens], 2)  # (B, n, C)
+                embedded = drafter.embed(above_tokens)
+                if drafter.has_grid:
+                    ahead["prepared"] = heads.grid.prepare_above(above_states, embedded)
+                predicted = heads.vertical(above_states, embedded)[:, :, 0]  # the next row's first position
+                return predicted, drafter.draft_scores(predicted)
+            # In the next row: the children sit in its column depth - last.
+            if not drafter.has_grid:
+                predicted = heads.horizontal(states, drafter.embed(node_tokens))
+                return predicted, drafter.draft_scores(predicted)
+            for node in nodes:  # a node's path row is its parent's (each parent was expanded the level before)
+                row_of_path[node] = row_of_path[pool_parents[node]]
+            which = torch.tensor([row_of_path[node] for node in nodes], device=states.device)
+            above = ahead["prepared"][:, which, depth - last]  # (rows, n, width)
+            left_share = drafter.left_token_share[node_tokens].repeat(drafter.twins, 1, 1)
+            predicted = drafter.grid_step(above, states, left_share)
+            return predicted, drafter.draft_scores(predicted)
+
+        return expand
 
     def after_tree(self) -> None:
         pass
+
+
+def _ancestors(node: int, pool_parents: list[int], depth: int) -> list[int]:
+    """The pool nodes on `node`'s path at depths 1..`depth` (its own depth), root excluded, in path order."""
+    path = []
+    for _ in range(depth):
+        path.append(node)
+        node = pool_parents[node]
+    return path[::-1]
 
 
 def _generate(backbone, heads, condition, sampling, generator, settings: SSDTreeConfig) -> GenerationResult:

@@ -15,7 +15,7 @@ from backbones.base import Condition
 from decode.ar import generate_ar
 from decode.draft_tree import TreeShape, grow_tree
 from decode.sampling import SamplingConfig
-from decode.ssd_tree import SSDTreeConfig, generate_ssd_tree
+from decode.ssd_tree import SSDTreeConfig, SSDTreeDrafter, generate_ssd_tree
 
 CLASS_ID = 4
 GREEDY = SamplingConfig(greedy=True)
@@ -28,8 +28,9 @@ GREEDY = SamplingConfig(greedy=True)
         SSDTreeConfig(nodes=12, top_k=2, beam=3),
         SSDTreeConfig(nodes=6, top_k=3, beam=2, depth=2),
         SSDTreeConfig(nodes=24, top_k=2, beam=4, budget="cost"),
+        SSDTreeConfig(nodes=24, top_k=2, beam=4, lookahead=5),
     ],
-    ids=["to-row-end", "depth-2", "cost-budget"],
+    ids=["to-row-end", "depth-2", "cost-budget", "lookahead"],
 )
 @pytest.mark.parametrize("grid", [False, True], ids=["horizontal", "grid"])
 def test_greedy_ssd_tree_equals_greedy_ar_on_digits(tiny_backbone, batch, config, grid):
@@ -72,6 +73,77 @@ def test_a_top_1_tree_is_the_chain_and_the_tree_keeps_the_most_confident_nodes()
     assert all(first[r] <= scores[:, 1:].mean(0).min() + 1e-6 for r in dropped)
 
 
+@pytest.mark.parametrize("grid", [True, False], ids=["grid", "horizontal"])
+def test_lookahead_drafts_each_paths_next_row_from_the_row_as_that_path_has_it(tiny_backbone, grid):
+    """Past the row's end a node's draft state comes from its own path's row (exact up to the root, the path's
+    drafted states and tokens after it): every state the tree's draft step predicts is checked against a
+    per-path reference that runs the heads' modules one position at a time. A path reading another path's row,
+    or another image's, fails."""
+    backbone, cols = tiny_backbone, tiny_backbone.geometry.cols
+    sampling = SamplingConfig(cfg_scale=3.0)
+    heads = random_ssd_heads(backbone.hidden_size, seed=3, grid=grid)
+    state, _ = backbone.prefill(Condition(class_ids=torch.tensor([2, 5])), True)
+    config = SSDTreeConfig(nodes=128, top_k=2, beam=8, lookahead=cols)
+    drafter = SSDTreeDrafter(backbone, heads, state, sampling, config)
+    numbers = torch.Generator().manual_seed(0)
+    total = backbone.geometry.rows * cols
+    tokens = torch.randint(backbone.codebook_size, (2, total), generator=numbers)
+    predicting = torch.randn(4, total, backbone.hidden_size, generator=numbers)  # [cond; uncond] rows
+    frontier = cols + 1  # row 1's second position: the next row's drafts read the path's row from column 2 on
+    last = 2 * cols - 1 - frontier  # the depth of the row's last column
+    embed = drafter.drafter.embed
+    expanded = {}  # pool node -> (its parent, its tokens, the state its expansion predicted)
+
+    def recording(nodes, pool_parents, states, node_tokens, depth):
+        predicted, scores = expand(nodes, pool_parents, states, node_tokens, depth)
+        for i, node in enumerate(nodes):
+            expanded[node] = (pool_parents[node], node_tokens[:, i], predicted[:, i])
+        return predicted, scores
+
+    def reference_state(path_tokens: list[torch.Tensor]) -> torch.Tensor:
+        """The draft state predicting the position after the path (root excluded), one position at a time."""
+        row_states = [predicting[:, c] for c in range(cols, frontier + 1)]  # row 1 as the path has it
+        row_tokens = [tokens[:, c] for c in range(cols, frontier + 1)]
+        left, left_token = predicting[:, frontier], tokens[:, frontier]
+        for step, token in enumerate([*path_tokens, None]):
+            after = frontier + step + 1
+            if after == 2 * cols:  # the next row's first position: the vertical head from the path's row
+                left = heads.vertical(torch.stack(row_states, 1), embed(torch.stack(row_tokens, 1)))[:, 0]
+            elif after < 2 * cols:  # along the root's row: the row above is final
+                above, above_token = predicting[:, after - cols], tokens[:, after - cols]
+                left = _draft_along(heads, grid, above, above_token, left, left_token, embed)
+            else:  # along the next row: the row above is the path's
+                above, above_token = row_states[after - 2 * cols], row_tokens[after - 2 * cols]
+                left = _draft_along(heads, grid, above, above_token, left, left_token, embed)
+            if token is None:
+                return left
+            left_token = token
+            if after < 2 * cols:
+                row_states.append(left)
+                row_tokens.append(left_token)
+
+    with torch.inference_mode():
+        expand = drafter.expander(frontier, tokens, predicting)
+        grow_tree(tokens[:, frontier], predicting[:, frontier], recording, drafter.shape(frontier), sampling)
+        last_column_nodes = set()
+        for node, (_, _, predicted) in expanded.items():
+            path = []
+            while node != 0:
+                path.insert(0, node)
+                node = expanded[node][0]
+            if len(path) > last:
+                last_column_nodes.add(path[last - 1])
+            reference = reference_state([expanded[n][1] for n in path])
+            torch.testing.assert_close(predicted, reference, rtol=1e-4, atol=1e-4, msg=f"path {path}")
+    assert len(last_column_nodes) >= 2, "the test needs next-row nodes under more than one path"
+
+
+def _draft_along(heads, grid, above, above_token, left, left_token, embed):
+    if grid:
+        return heads.grid(above, embed(above_token), left, embed(left_token))
+    return heads.horizontal(left, embed(left_token))
+
+
 # ---- sampled: the backbone's distribution ----------------------------------------------------
 
 
@@ -88,8 +160,12 @@ def _sample_tree(backbone, sampling, config):
 
 @pytest.mark.parametrize(
     "config",
-    [SSDTreeConfig(nodes=6, top_k=2, beam=2), SSDTreeConfig(nodes=4, top_k=1, beam=1)],
-    ids=["siblings", "chain"],
+    [
+        SSDTreeConfig(nodes=6, top_k=2, beam=2),
+        SSDTreeConfig(nodes=4, top_k=1, beam=1),
+        SSDTreeConfig(nodes=8, top_k=2, beam=2, lookahead=2),
+    ],
+    ids=["siblings", "chain", "lookahead"],
 )
 def test_sampled_ssd_tree_has_the_backbone_distribution(backbone3, config):
     sampling = SamplingConfig(cfg_scale=2.0)

@@ -32,8 +32,10 @@ def test_greedy_tree_methods_equal_greedy_ar_on_every_adapter(family, batch):
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
     baseline = generate_ar(backbone, condition, sampling)
     heads = random_ssd_heads(backbone.hidden_size, seed=0, std=0.3, grid=True)
-    trees = generate_ssd_tree(backbone, heads, condition, sampling, config=SSDTreeConfig(nodes=8, top_k=2, beam=2))
-    assert torch.equal(trees.tokens, baseline.tokens)
+    for lookahead in (0, 3):  # 3: trees past the row's end too (end-of-line nodes where the backbone has them)
+        config = SSDTreeConfig(nodes=8, top_k=2, beam=2, lookahead=lookahead)
+        trees = generate_ssd_tree(backbone, heads, condition, sampling, config=config)
+        assert torch.equal(trees.tokens, baseline.tokens), f"lookahead {lookahead}"
     # EAGLE-2 trees across rows (end-of-line nodes) and up to the image's end.
     eagle2 = generate_eagle2(
         backbone,
