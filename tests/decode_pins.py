@@ -82,6 +82,7 @@ PEER_CASES = [
 # Token trees (decode/ssd_tree.py with the grid heads; decode/eagle2.py with the EAGLE head)
 TREE_CASES = [
     ("ssd_tree", "decode.ssd_tree", {"nodes": 32, "top_k": 2, "beam": 4}),
+    ("ssd_tree_lookahead", "decode.ssd_tree", {"nodes": 32, "top_k": 3, "beam": 4, "lookahead": 5}),
     (
         "ssd_tree_topk_draft",
         "decode.ssd_tree",
