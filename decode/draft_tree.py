@@ -4,7 +4,8 @@ Every tree method (SSD's `ssd_tree`, EAGLE-2's `eagle2`) drafts, verifies and ac
 
 - `grow_tree`: EAGLE-2's dynamic draft tree (Li et al., EMNLP 2024; github.com/SafeAILab/EAGLE,
   ``model/cnets.py`` ``topK_genrate``). From the root (the token the backbone gave last), each depth expands the
-  `beam` nodes of highest path score with one batched draft step and gives each `top_k` candidates: the
+  `beam` nodes of highest path score (none that could no longer make the tree: at or below the pool's
+  `nodes - 1`-th best score) with one batched draft step and gives each `top_k` candidates: the
   draft's most likely tokens (EAGLE-2's), or draws without replacement from the draft distribution q. Every
   candidate goes into a pool; the tree is the root and the `nodes - 1` candidates of the pool with the highest
   scores (score: the sum along the path of the draft's log-probability, EAGLE-2's, or of the log of the
@@ -154,9 +155,13 @@ def grow_tree(
         scores.append(level_scores)
         if q is not None:
             proposals.append(q.repeat_interleave(k, dim=1))
-        # EAGLE-2 expands the `beam` best candidates of this depth next (none below the budget's threshold:
-        # their children score no higher).
-        best = _stable_top(_above(level_scores, min_score), shape.beam)
+        # EAGLE-2 expands the `beam` best candidates of this depth next, but none that could not make the tree:
+        # none below the budget's threshold, and none at or below the pool's `nodes - 1`-th best score (a child
+        # scores no higher than its parent and loses ties to earlier pool nodes, and the pool's bar only rises).
+        # Skipping them leaves the kept tree as it would be, given the same draws for the nodes it keeps, and
+        # saves the levels no path can reach.
+        bar = _kth_largest(torch.cat(scores[1:]), shape.nodes - 1)
+        best = _stable_top(_above(level_scores, min_score).masked_fill(level_scores <= bar, float("-inf")), shape.beam)
         if len(best) == 0:
             break
         frontier = [first + int(i) for i in best]
@@ -219,6 +224,13 @@ def _candidates(scores: torch.Tensor, k: int, sampling: SamplingConfig, sampled:
     left = 1 - (chosen.cumsum(-1) - chosen)  # the mass the earlier candidates left
     feature = (best_left / left.clamp(min=1e-12)).clamp(max=1.0)
     return tokens, best_left.log(), feature, q
+
+
+def _kth_largest(scores: torch.Tensor, k: int) -> float:
+    """The k-th largest score (-inf while fewer than k are given)."""
+    if k < 1 or len(scores) < k:
+        return float("-inf")
+    return float(scores.topk(k).values[-1])
 
 
 def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:

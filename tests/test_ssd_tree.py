@@ -144,6 +144,40 @@ def _draft_along(heads, grid, above, above_token, left, left_token, embed):
     return heads.horizontal(left, embed(left_token))
 
 
+def test_skipping_candidates_that_cannot_make_the_tree_keeps_the_tree_and_saves_levels(monkeypatch):
+    """grow_tree expands no candidate at or below the pool's (nodes - 1)-th best score: with deterministic (top-k)
+    candidates the trees are those of expanding every level's `beam` best (the reference: the bar disabled), and
+    deep trees stop early."""
+    import decode.draft_tree as draft_tree
+
+    vocabulary, batch = 6, 3
+    numbers = torch.Generator().manual_seed(1)
+    tables = [torch.randn(vocabulary, vocabulary, generator=numbers) * scale for scale in (1.0, 3.0, 6.0)]
+    expansions = {"pruned": 0, "reference": 0}
+    for table in tables:
+        for shape in (
+            TreeShape(nodes=12, depth=20, top_k=2, beam=4),
+            TreeShape(nodes=40, depth=30, top_k=3, beam=8),
+            TreeShape(nodes=7, depth=5, top_k=3, beam=2),
+        ):
+            trees = {}
+            for kind in ("pruned", "reference"):
+
+                def expand(nodes, pool_parents, states, tokens, depth, kind=kind, table=table):
+                    expansions[kind] += 1
+                    return states, table[tokens]
+
+                with monkeypatch.context() as patch:
+                    if kind == "reference":
+                        patch.setattr(draft_tree, "_kth_largest", lambda scores, k: float("-inf"))
+                    root = torch.arange(batch) % vocabulary
+                    trees[kind] = grow_tree(root, torch.zeros(batch, 1, 1), expand, shape, GREEDY)
+            assert torch.equal(trees["pruned"].tokens, trees["reference"].tokens)
+            assert torch.equal(trees["pruned"].parents, trees["reference"].parents)
+            assert trees["pruned"].ranks == trees["reference"].ranks
+    assert expansions["pruned"] < 0.8 * expansions["reference"], expansions
+
+
 # ---- sampled: the backbone's distribution ----------------------------------------------------
 
 
