@@ -64,12 +64,17 @@ def test_the_heads_tree_level_gives_each_node_its_own_paths_prediction(tiny_back
     assert root_out.shape == (2, 1, tiny_backbone.hidden_size)
 
 
-def test_sampled_eagle2_has_the_backbone_distribution():
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"draws": "sampled", "confidence": "calibrated"}],
+    ids=["point-candidates", "sampled-draws-calibrated"],
+)
+def test_sampled_eagle2_has_the_backbone_distribution(settings):
     backbone = enumerable_backbone(grid_size=3, levels=2)
     sampling = SamplingConfig(cfg_scale=2.0)
     result = generate_eagle2(
         backbone, random_eagle_head(backbone, std=0.5), Condition(class_ids=torch.full((20_000,), CLASS_ID)),
-        sampling, torch.Generator().manual_seed(0), Eagle2DecodeConfig(nodes=6, depth=3, top_k=2),
+        sampling, torch.Generator().manual_seed(0), Eagle2DecodeConfig(nodes=6, depth=3, top_k=2, **settings),
     )  # fmt: skip
     counts = result.extras  # first and second candidates both decide at times
     assert counts["accepted_rank_0"] > 0 and counts["accepted_rank_1"] > 0, counts

@@ -258,6 +258,45 @@ def test_a_calibrated_tree_never_keeps_a_draw_outside_the_drafts_support():
     assert len(tree.depths) > 4  # the two supported tokens at every level are kept
 
 
+def _first_token_pvalue(trials: int = 200_000) -> float:
+    """Chi-square p-value of the first token after a root whose three children are draws without replacement from
+    a q that disagrees with the target p (one level, a batch of `trials` images), walked by `walk_tree`."""
+    from scipy.stats import chisquare
+
+    from decode.draft_tree import walk_tree
+
+    p = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10])
+    q = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40])
+    generator = torch.Generator().manual_seed(0)
+
+    def expand(nodes, pool_parents, states, tokens, depth):
+        return states, q.log().expand(trials, states.shape[1], -1)
+
+    shape = TreeShape(nodes=4, depth=1, top_k=3, beam=1, draws="sampled")
+    root = torch.zeros(trials, dtype=torch.long)
+    tree = grow_tree(root, torch.zeros(trials, 1, 1), expand, shape, SamplingConfig(), generator)
+    walk = walk_tree(tree, p.expand(trials, len(tree.depths), -1).clone(), generator)
+    accepted_child = tree.tokens.gather(1, walk.path[:, 1:2].clamp(min=0))[:, 0]
+    first = torch.where(walk.length > 1, accepted_child, walk.next_token)
+    counts = torch.bincount(first, minlength=len(p)).double()
+    return chisquare(counts.numpy(), (p.double() / p.double().sum() * counts.sum()).numpy()).pvalue
+
+
+def test_sampled_siblings_are_tested_against_q_without_their_earlier_siblings(monkeypatch):
+    """A draw without replacement comes from q with the earlier siblings taken out; testing it against q itself
+    (the planted bug) biases the tree's tokens, and the test has the power to see it."""
+    import decode.draft_tree as draft_tree
+
+    assert _first_token_pvalue() > 1e-3
+
+    def full_q(tree, children, sibling_tokens, vocabulary):
+        q = tree.proposals[:, children[:, 0].clamp(min=0)]
+        return q[:, :, None].expand(-1, -1, children.shape[1], -1)
+
+    monkeypatch.setattr(draft_tree, "_sibling_proposals", full_q)
+    assert _first_token_pvalue() < 1e-6
+
+
 # ---- batch 1: the tree's shape follows the image's own draws ----------------------------------
 
 
