@@ -154,38 +154,34 @@ class SSDTreeDrafter:
             self.above_prepared, self.prepared_row = drafter.prepare_above(predicting[:, span], tokens[:, span]), row
         if row == 0 or not drafter.has_grid:
 
-            def horizontal(nodes, pool_parents, states, node_tokens, depth):
+            def in_row(nodes, pool_parents, states, node_tokens, depth):
                 predicted = heads.horizontal(states, drafter.embed(node_tokens))
                 return predicted, drafter.draft_scores(predicted)
 
-            return (
-                self._with_lookahead(horizontal, frontier, tokens, predicting) if self._looks_ahead(row) else horizontal
-            )
-        above_prepared, grid_step, share, twins = (
-            self.above_prepared,
-            drafter.grid_step,
-            drafter.left_token_share,
-            drafter.twins,
-        )
-        first_of_row = None
-        if crosses:  # the vertical head's state for the next row's first position, from the finished row
-            span = slice((row - 1) * self.cols, row * self.cols)
-            first_of_row = heads.vertical(predicting[:, span], drafter.embed(tokens[:, span]))[:, :1]
+        else:
+            above_prepared, first_of_row = self.above_prepared, None
+            if crosses:  # the vertical head's state for the next row's first position, from the finished row
+                span = slice((row - 1) * self.cols, row * self.cols)
+                first_of_row = heads.vertical(predicting[:, span], drafter.embed(tokens[:, span]))[:, :1]
 
-        def along(nodes, pool_parents, states, node_tokens, depth):
-            if depth == 0 and first_of_row is not None:
-                predicted = first_of_row.expand(-1, states.shape[1], -1)
-            else:
+            def in_row(nodes, pool_parents, states, node_tokens, depth):
+                if depth == 0 and first_of_row is not None:
+                    predicted = first_of_row.expand(-1, states.shape[1], -1)
+                    return predicted, drafter.draft_scores(predicted)
                 above = above_prepared[:, column + depth + 1]  # (rows, width): the column the children sit in
-                left_share = share[node_tokens].repeat(twins, 1, 1)  # (rows, n, width)
-                predicted = grid_step(above[:, None].expand(-1, states.shape[1], -1), states, left_share)
-            return predicted, drafter.draft_scores(predicted)
+                return self._grid_children(above[:, None].expand(-1, states.shape[1], -1), states, node_tokens)
 
-        return (
-            along
-            if crosses or not self._looks_ahead(row)
-            else self._with_lookahead(along, frontier, tokens, predicting)
-        )
+        if crosses or not self._looks_ahead(row):
+            return in_row
+        return self._with_lookahead(in_row, frontier, tokens, predicting)
+
+    def _grid_children(self, above: torch.Tensor, states: torch.Tensor, node_tokens: torch.Tensor):
+        """The grid head's draft step for n parents: the prepared row-above share of each child's column (rows, n,
+        width), the parents' states (rows, n, H) and tokens (B, n) -> the children's states and draft scores."""
+        drafter = self.drafter
+        left_share = drafter.left_token_share[node_tokens].repeat(drafter.twins, 1, 1)  # (rows, n, width)
+        predicted = drafter.grid_step(above, states, left_share)
+        return predicted, drafter.draft_scores(predicted)
 
     def _with_lookahead(self, in_row, frontier: int, tokens: torch.Tensor, predicting: torch.Tensor):
         """`in_row` (the draft step along the root's row) up to the row's last column; past it, each path's own
@@ -197,18 +193,18 @@ class SSDTreeDrafter:
         known_states, known_tokens = predicting[:, span], tokens[:, span]
         # Pool node -> (the state that predicted it (rows, H), its tokens (B,)), for the nodes expanded so far.
         seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        row_of_path: dict[int, int] = {}  # an expanded node at or past the last column -> its path's row in `ahead`
-        ahead: dict[str, torch.Tensor] = {}  # the grid head's prepared rows above, (rows, paths, C, width)
+        row_of_path: dict[int, int] = {}  # an expanded node at or past the last column -> its path's row in `prepared`
+        prepared = None  # the grid head's prepared rows above, one per path (rows, paths, C, width)
 
         def expand(nodes, pool_parents, states, node_tokens, depth):
-            if depth < last:
+            nonlocal prepared
+            if depth <= last:
                 for i, node in enumerate(nodes):
                     seen[node] = (states[:, i], node_tokens[:, i])
+            if depth < last or (depth > last and not drafter.has_grid):  # no grid head: the next row as this one
                 return in_row(nodes, pool_parents, states, node_tokens, depth)
             if depth == last:  # the parents end the row: each path's row is the next row's row above
-                for i, node in enumerate(nodes):
-                    seen[node] = (states[:, i], node_tokens[:, i])
-                    row_of_path[node] = i
+                row_of_path.update((node, i) for i, node in enumerate(nodes))
                 paths = [_ancestors(node, pool_parents, depth) for node in nodes]  # depths 1..last, root excluded
                 n = len(nodes)
                 above_states = known_states[:, None].expand(-1, n, -1, -1)
@@ -220,20 +216,14 @@ class SSDTreeDrafter:
                     above_tokens = torch.cat([above_tokens, path_tokens], 2)  # (B, n, C)
                 embedded = drafter.embed(above_tokens)
                 if drafter.has_grid:
-                    ahead["prepared"] = heads.grid.prepare_above(above_states, embedded)
+                    prepared = heads.grid.prepare_above(above_states, embedded)
                 predicted = heads.vertical(above_states, embedded)[:, :, 0]  # the next row's first position
                 return predicted, drafter.draft_scores(predicted)
             # In the next row: the children sit in its column depth - last.
-            if not drafter.has_grid:
-                predicted = heads.horizontal(states, drafter.embed(node_tokens))
-                return predicted, drafter.draft_scores(predicted)
             for node in nodes:  # a node's path row is its parent's (each parent was expanded the level before)
                 row_of_path[node] = row_of_path[pool_parents[node]]
             which = torch.tensor([row_of_path[node] for node in nodes], device=states.device)
-            above = ahead["prepared"][:, which, depth - last]  # (rows, n, width)
-            left_share = drafter.left_token_share[node_tokens].repeat(drafter.twins, 1, 1)
-            predicted = drafter.grid_step(above, states, left_share)
-            return predicted, drafter.draft_scores(predicted)
+            return self._grid_children(prepared[:, which, depth - last], states, node_tokens)
 
         return expand
 
