@@ -274,6 +274,33 @@ class TreePass:
     start: int  # the cache slot of the first flat node (the cache's length before the pass)
 
 
+def prefills_stay_eager(backbone: nn.Module) -> None:
+    """After its passes are compiled: `backbone`'s prefills (`prefill`, `prefill_prompts`) run eager. They run once
+    per image, and each of their cache layouts (a cache not allocated yet, prompt-sized caches) would compile a
+    graph of its own, in the middle of a timed run (a continuous batch's first refill); the passes that decoding
+    repeats compile once, in the warm-up."""
+    for name in ("prefill", "prefill_prompts"):
+        method = getattr(backbone, name, None)
+        if method is None:
+            continue
+
+        def eager(*args, _method=method, **kwargs):
+            with torch.compiler.set_stance("force_eager"):
+                return _method(*args, **kwargs)
+
+        setattr(backbone, name, eager)
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let one compiled pass module hold `limit` graphs. Each kind of pass (prefill, a one-token step, a
+    multi-token step, ragged, tree and position-addressed passes, with and without guidance) compiles a graph of
+    its own; past dynamo's default of 8 a run of many methods would quietly fall back to eager passes for the
+    later ones."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+
 class ARImageBackbone(nn.Module, ABC):
     """A frozen autoregressive image generator behind a small, family-agnostic API."""
 
@@ -385,6 +412,26 @@ class ARImageBackbone(nn.Module, ABC):
             f"{type(self).__name__} has no prompt embedding for a MuLo-SD drafter; "
             "condition the drafter on class ids, or implement condition_embedding"
         )
+
+    def pass_module(self) -> nn.Module:
+        """The transformer every pass (`prefill`, `step`, `step_ragged`, `step_at`, `step_tree`) runs through:
+        what `compile_passes` compiles."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not name the module its passes run through, so its passes cannot be "
+            "compiled; implement pass_module, or run with decode.compile=false"
+        )
+
+    def compile_passes(self) -> None:
+        """Compile the backbone's passes with torch.compile, dynamic shapes (one graph serves every feed length;
+        a one-token step and a multi-token pass compile apart). Tokens are unchanged: the compiled passes compute
+        what the eager ones do, up to float rounding. The first pass of each shape waits for the compiler (tens
+        of seconds on a CPU; the benchmark's untimed warm-up takes it); prefills stay eager
+        (`prefills_stay_eager`). On a CPU, where a small backbone's
+        one-token step is mostly Python and kernel-launch overhead, this is the baseline's fastest form
+        (docs/results.md)."""
+        raise_recompile_limit()
+        self.pass_module().compile(dynamic=True)
+        prefills_stay_eager(self)
 
     # ---- shared mechanics ------------------------------------------------------------------
 

@@ -158,6 +158,9 @@ class DigitsBackbone(ARImageBackbone):
         bos = torch.full((len(class_ids), 1), self.config.bos_token, device=class_ids.device)
         return state, self._run(state, bos)
 
+    def pass_module(self) -> nn.Module:
+        return self.transformer
+
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, flat_tokens)
 

@@ -185,6 +185,9 @@ class ContinuousDigitsBackbone(ContinuousARBackbone):
     def _forward_tokens(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_tokens(tokens))
 
+    def pass_module(self) -> nn.Module:
+        return self.transformer
+
     def _run(self, state: DecodeState, embeds: torch.Tensor) -> torch.Tensor:
         embeds = embeds + state.extras["class_embedding"]
         return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True).last_hidden_state

@@ -197,6 +197,9 @@ class Emu3Backbone(ARImageBackbone):
         hidden = self._run(state, self.model.get_input_embeddings()(ids))
         return state, hidden[:, -1:]
 
+    def pass_module(self) -> nn.Module:
+        return self.model.model.text_model
+
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 

@@ -150,6 +150,9 @@ class JanusBackbone(ARImageBackbone):
         hidden = self._run(state, embeds)
         return state, hidden[:, -1:]
 
+    def pass_module(self) -> nn.Module:
+        return self.model.model.language_model
+
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 

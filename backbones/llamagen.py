@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
+from backbones.base import (
+    ARImageBackbone,
+    Condition,
+    DecodeState,
+    ImageGeometry,
+    prefills_stay_eager,
+    raise_recompile_limit,
+)
 from backbones.conv_autoencoder import AttnBlock, ResBlock, Upsample, group_norm, run_level, swish
 from backbones.hf_loading import load_torch_checkpoint
 from backbones.kv_cache import PreallocatedLayer
@@ -346,6 +353,15 @@ class LlamaGenBackbone(ARImageBackbone):
         )
         embeds = self.model.cls_embedding(class_ids).to(self._dtype())
         return state, self.model.run(embeds, state.cache)[:, -1:]
+
+    def pass_module(self) -> nn.Module:
+        return self.model
+
+    def compile_passes(self) -> None:
+        """LlamaGen's passes call the GPT's `run`, not its forward: that is what is compiled."""
+        raise_recompile_limit()
+        self.model.run = torch.compile(self.model.run, dynamic=True)
+        prefills_stay_eager(self)
 
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache)

@@ -253,6 +253,9 @@ class LuminaBackbone(ARImageBackbone):
         vocab = self.codebook_to_vocab[flat_tokens.clamp(min=0)]
         return vocab.masked_fill(eol, self.eol_token_id)
 
+    def pass_module(self) -> nn.Module:
+        return self.model.model
+
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.model.model.embed_tokens(self.flat_to_vocab(flat_tokens)))
 

@@ -174,6 +174,9 @@ class TarBackbone(ARImageBackbone):
         hidden = self._run(state, self.model.get_input_embeddings()(ids))
         return state, hidden[:, -1:]
 
+    def pass_module(self) -> nn.Module:
+        return self.model.model
+
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_image_tokens(flat_tokens))
 

@@ -55,6 +55,7 @@ class DecodeRunSettings:
     top_p: float
     save_tokens: bool
     queue_batches: int = 1  # continuous batching: turns of this many batches (decode/benchmark.py)
+    compile: bool = False  # torch.compile the backbone's passes for every method (ARImageBackbone.compile_passes)
 
     def __post_init__(self):
         for key in ("num_images", "batch_size", "seeds", "queue_batches"):
@@ -184,6 +185,7 @@ def run_decode(cfg: DictConfig) -> dict:
         backbone, settings.num_images, cfg.decode.get("num_classes"), cfg.decode.prompts, cfg.decode.prompt_column
     )
     load_artefacts(methods, backbone)  # heads of another backbone stop the run before anything else is built
+    compiled = settings.compile and compile_backbone(backbone)
     pixels_available = is_digits(backbone) or pixels_work(backbone)
     quality, quality_note = build_quality(cfg, backbone, pixels_available)
     print(f"[decode] quality: {quality_note}")
@@ -193,6 +195,7 @@ def run_decode(cfg: DictConfig) -> dict:
     )
 
     report = _report_header(cfg, backbone, sampling, settings, seeds, conditions, quality_note)
+    report["compiled"] = compiled
     for method in methods:
         figures = cost_figures(runs[method.name], runs[BASELINE], backbone.geometry.num_tokens)
         per_seed = [_score(quality, backbone, run, conditions, pixels_available) for run in runs[method.name]]
@@ -214,6 +217,21 @@ def run_decode(cfg: DictConfig) -> dict:
     written = ", ".join(f"{m.name}.png" for m in methods) if pixels_available else "no PNGs"
     print(f"[decode] wrote {out / 'metrics.json'}, {out / 'summary.md'} and {written}")
     return report
+
+
+def compile_backbone(backbone) -> bool:
+    """`decode.compile`: compile the backbone's passes for every method of the run, the baseline's included; says
+    so, or says why its passes stay eager (MAR and Harmon: not supported). True when compiled."""
+    if not callable(getattr(backbone, "compile_passes", None)):
+        name = type(backbone).__name__
+        print(f"[decode] decode.compile: {name}'s passes cannot be compiled; every method runs eager")
+        return False
+    print(
+        "[decode] compiling the backbone's passes (torch.compile, decode.compile=true): each method's untimed "
+        "warm-up waits for the compiler, up to a minute per method on 2 CPU cores"
+    )
+    backbone.compile_passes()
+    return True
 
 
 def _output_dir(cfg: DictConfig) -> Path:

@@ -43,11 +43,15 @@ COMPARISON_METHODS = [
 
 
 def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
-    """The project's root config with overrides, as the CLIs would see it, writing under `output_dir`."""
+    """The project's root config with overrides, as the CLIs would see it, writing under `output_dir`; the
+    training's evaluation runs eager passes unless the overrides say otherwise (compiling costs about a minute per
+    process; tests/test_compiled_passes.py covers compiled passes)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
+        if cfg.train.get("evaluate") and not any(o.startswith("train.evaluate.compile=") for o in overrides):
+            cfg.train.evaluate.compile = False
     return cfg
 
 

@@ -73,6 +73,7 @@ def test_train_with_stdout_to_a_file_shows_training_and_evaluation_progress(tmp_
         "callbacks.samples=null",
         "train.evaluate.num_images=4",
         "train.evaluate.seeds=1",
+        "train.evaluate.compile=false",  # eager passes: compiling costs a minute per process
         f"export.dir={tmp_path / 'export'}",
         f"hydra.run.dir={tmp_path / 'run'}",
         f"paths.root_dir={tmp_path}",

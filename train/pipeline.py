@@ -104,6 +104,7 @@ def evaluate_export(cfg: DictConfig, export_dir: Path) -> dict:
         eval_cfg.decode.num_images = settings.num_images
         eval_cfg.decode.batch_size = settings.batch_size
         eval_cfg.decode.seeds = settings.get("seeds", 1)
+        eval_cfg.decode.compile = bool(settings.get("compile", False))
         eval_cfg.decode.heads = str(export_dir)
         eval_cfg.decode.out = str(Path(cfg.paths.output_dir) / "evaluation")
     print(
