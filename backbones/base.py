@@ -292,16 +292,42 @@ def prefills_stay_eager(backbone: nn.Module) -> None:
 
 
 def raise_recompile_limit(limit: int = 64) -> None:
-    """Let one compiled pass module hold `limit` graphs. Each kind of pass (prefill, a one-token step, a
-    multi-token step, ragged, tree and position-addressed passes, with and without guidance) compiles a graph of
-    its own; past dynamo's default of 8 a run of many methods would quietly fall back to eager passes for the
-    later ones."""
+    """Let one compiled pass module hold `limit` graphs. Each kind of pass (a one-token step, a multi-token step,
+    ragged, tree and position-addressed passes, with and without guidance) compiles a graph of its own; past
+    dynamo's default of 8 a run of many methods would quietly fall back to eager passes for the later ones (seen
+    with the 17 methods of compare_digits)."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
 
-class ARImageBackbone(nn.Module, ABC):
+class CompilablePasses:
+    """A backbone whose passes all run through one module (`pass_module`), which `compile_passes` compiles
+    (`decode.compile`): the discrete families (`ARImageBackbone`) and the continuous ones (`ContinuousARBackbone`)."""
+
+    def pass_module(self) -> nn.Module:
+        """The transformer every pass (`prefill`, `step`, `step_ragged`, `step_at`, `step_tree`, a continuous
+        backbone's `step`) runs through: what `compile_passes` compiles."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not name the module its passes run through, so its passes cannot be "
+            "compiled; implement pass_module, or run with decode.compile=false"
+        )
+
+    def compile_passes(self) -> None:
+        """Compile the backbone's passes with torch.compile, dynamic shapes (one graph serves every feed length;
+        a one-token step and a multi-token pass compile apart); prefills stay eager (`prefills_stay_eager`). The
+        compiled passes compute what the eager ones do up to float rounding: lossless methods stay lossless and
+        greedy tokens were the same in every test, but an approximate method's sampled tokens can differ where
+        rounding moves a draw across a boundary. The first pass of each kind waits for the compiler (tens of
+        seconds on a CPU; the benchmark's untimed warm-up takes it). On a CPU at batch 1, where a small backbone's
+        one-token step is mostly Python and kernel-launch overhead, this is the baseline's fastest form; at batch
+        16 it is not (docs/results.md)."""
+        raise_recompile_limit()
+        self.pass_module().compile(dynamic=True)
+        prefills_stay_eager(self)
+
+
+class ARImageBackbone(CompilablePasses, nn.Module, ABC):
     """A frozen autoregressive image generator behind a small, family-agnostic API."""
 
     geometry: ImageGeometry
@@ -412,26 +438,6 @@ class ARImageBackbone(nn.Module, ABC):
             f"{type(self).__name__} has no prompt embedding for a MuLo-SD drafter; "
             "condition the drafter on class ids, or implement condition_embedding"
         )
-
-    def pass_module(self) -> nn.Module:
-        """The transformer every pass (`prefill`, `step`, `step_ragged`, `step_at`, `step_tree`) runs through:
-        what `compile_passes` compiles."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not name the module its passes run through, so its passes cannot be "
-            "compiled; implement pass_module, or run with decode.compile=false"
-        )
-
-    def compile_passes(self) -> None:
-        """Compile the backbone's passes with torch.compile, dynamic shapes (one graph serves every feed length;
-        a one-token step and a multi-token pass compile apart). Tokens are unchanged: the compiled passes compute
-        what the eager ones do, up to float rounding. The first pass of each shape waits for the compiler (tens
-        of seconds on a CPU; the benchmark's untimed warm-up takes it); prefills stay eager
-        (`prefills_stay_eager`). On a CPU, where a small backbone's
-        one-token step is mostly Python and kernel-launch overhead, this is the baseline's fastest form
-        (docs/results.md)."""
-        raise_recompile_limit()
-        self.pass_module().compile(dynamic=True)
-        prefills_stay_eager(self)
 
     # ---- shared mechanics ------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from backbones.base import Condition, DecodeState, ImageGeometry, prefills_stay_eager, raise_recompile_limit
+from backbones.base import CompilablePasses, Condition, DecodeState, ImageGeometry
 from backbones.diffusion_head import DiffusionHead, DiffusionSample
 from backbones.kv_cache import preallocated_cache
 
@@ -44,7 +44,7 @@ def continuous_identity(model) -> dict:
     }
 
 
-class ContinuousARBackbone(nn.Module, ABC):
+class ContinuousARBackbone(CompilablePasses, nn.Module, ABC):
     """A frozen causal continuous-token image generator behind a small, family-agnostic API."""
 
     geometry: ImageGeometry
@@ -62,20 +62,6 @@ class ContinuousARBackbone(nn.Module, ABC):
 
         Returns the state and the hidden state (rows, 1, hidden) conditioning token 0.
         """
-
-    def pass_module(self) -> nn.Module:
-        """The transformer every pass runs through: what `compile_passes` compiles."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not name the module its passes run through, so its passes cannot be "
-            "compiled; implement pass_module, or run with decode.compile=false"
-        )
-
-    def compile_passes(self) -> None:
-        """torch.compile the transformer's passes, as `ARImageBackbone.compile_passes` does (the diffusion head
-        stays eager)."""
-        raise_recompile_limit()
-        self.pass_module().compile(dynamic=True)
-        prefills_stay_eager(self)
 
     @abstractmethod
     def _forward_tokens(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:

@@ -228,7 +228,8 @@ def compile_backbone(backbone) -> bool:
         return False
     print(
         "[decode] compiling the backbone's passes (torch.compile, decode.compile=true): each method's untimed "
-        "warm-up waits for the compiler, up to a minute per method on 2 CPU cores"
+        "warm-up waits for the compiler, up to a minute per method on 2 CPU cores; if compiling fails, "
+        "decode.compile=false (train.evaluate.compile=false after training) runs eager passes"
     )
     backbone.compile_passes()
     return True

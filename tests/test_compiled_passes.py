@@ -49,6 +49,18 @@ def test_every_pass_runs_through_what_compile_passes_compiles(family, tiny_backb
     assert fake.calls == 5  # two prefills (run under the eager stance), two steps, one ragged pass
 
 
+def test_a_continuous_backbones_passes_run_through_what_compile_passes_compiles(monkeypatch):
+    from backbones.digits_continuous import random_continuous_digits_backbone
+
+    backbone = random_continuous_digits_backbone(seed=0)
+    fake = _CountingCompile()
+    monkeypatch.setattr(torch, "compile", fake)
+    backbone.compile_passes()
+    state, _ = backbone.prefill(Condition(class_ids=torch.tensor([1, 8])), guided=True)
+    backbone.step(state, torch.zeros(2, 3, backbone.token_dim))
+    assert fake.compiled == 1 and fake.calls == 2  # the prefill (under the eager stance) and the step
+
+
 def test_decode_compile_compiles_the_backbone_once_and_says_so(tmp_path, classifier_cache, monkeypatch, capsys):
     fake = _CountingCompile()
     monkeypatch.setattr(torch, "compile", fake)
