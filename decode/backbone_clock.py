@@ -87,10 +87,16 @@ def clock_backbone_passes(backbone: ARImageBackbone) -> Iterator[BackboneClock]:
         )
         if hasattr(backbone, name)
     )
+    # An instance may already hold its own version of a method (compiled passes keep prefills eager that way,
+    # backbones.base.prefills_stay_eager): that one is wrapped, and put back after.
+    own = {name: vars(backbone)[name] for name in timed if name in vars(backbone)}
     for name in timed:
         setattr(backbone, name, clock.time(getattr(backbone, name)))
     try:
         yield clock
     finally:
         for name in timed:
-            delattr(backbone, name)  # the class's methods show through again
+            if name in own:
+                setattr(backbone, name, own[name])
+            else:
+                delattr(backbone, name)  # the class's methods show through again

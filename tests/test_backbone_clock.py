@@ -37,6 +37,17 @@ def test_clock_counts_only_the_backbone_passes_and_restores_the_methods(monkeypa
     assert "step" not in vars(backbone) and "prefill" not in vars(backbone)
 
 
+def test_clock_puts_back_a_method_the_instance_holds_itself(tiny_backbone, monkeypatch):
+    """Compiled passes keep an instance's prefills eager (`prefills_stay_eager`); timing a batch must not drop that
+    version, or every later batch compiles its prefills inside the timed turns."""
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)  # no compiler: the wiring only
+    tiny_backbone.compile_passes()
+    own_prefill = vars(tiny_backbone)["prefill"]
+    with backbone_clock.clock_backbone_passes(tiny_backbone):
+        tiny_backbone.prefill(Condition(class_ids=torch.tensor([0])), guided=False)
+    assert vars(tiny_backbone)["prefill"] is own_prefill and "step" not in vars(tiny_backbone)
+
+
 class FakeCudaEvent:
     """torch.cuda.Event for the CUDA branch without a GPU: records the fake time, reports milliseconds."""
 
