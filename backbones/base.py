@@ -323,8 +323,13 @@ class CompilablePasses:
         one-token step is mostly Python and kernel-launch overhead, this is the baseline's fastest form; at batch
         16 it is not (docs/results.md)."""
         raise_recompile_limit()
-        self.pass_module().compile(dynamic=True)
+        self._compile_pass_module()
         prefills_stay_eager(self)
+
+    def _compile_pass_module(self) -> None:
+        """The compiling step of `compile_passes`: the pass module's call (a family whose passes call another
+        method of it compiles that one instead)."""
+        self.pass_module().compile(dynamic=True)
 
 
 class ARImageBackbone(CompilablePasses, nn.Module, ABC):

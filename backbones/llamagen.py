@@ -39,14 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backbones.base import (
-    ARImageBackbone,
-    Condition,
-    DecodeState,
-    ImageGeometry,
-    prefills_stay_eager,
-    raise_recompile_limit,
-)
+from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
 from backbones.conv_autoencoder import AttnBlock, ResBlock, Upsample, group_norm, run_level, swish
 from backbones.hf_loading import load_torch_checkpoint
 from backbones.kv_cache import PreallocatedLayer
@@ -357,11 +350,9 @@ class LlamaGenBackbone(ARImageBackbone):
     def pass_module(self) -> nn.Module:
         return self.model
 
-    def compile_passes(self) -> None:
+    def _compile_pass_module(self) -> None:
         """LlamaGen's passes call the GPT's `run`, not its forward: that is what is compiled."""
-        raise_recompile_limit()
         self.model.run = torch.compile(self.model.run, dynamic=True)
-        prefills_stay_eager(self)
 
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self.model.run(self.model.tok_embeddings(flat_tokens), state.cache)
