@@ -332,7 +332,86 @@ class CompilablePasses:
         self.pass_module().compile(dynamic=True)
 
 
-class ARImageBackbone(CompilablePasses, nn.Module, ABC):
+class ContinuousBatching:
+    """The cache-row operations of continuous batching, shared by discrete and continuous backbones: a queue's
+    prompts prefilled ahead (`prefill_prompts`), a finished image's slot handed to the next (`replace_images`) and
+    finished slots dropped from the batch (`keep_images`). They work on any `DecodeState` whose cache is
+    preallocated (backbones/kv_cache.py) and whose extras hold one row per cache row."""
+
+    def prefill_prompts(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
+        """`prefill` into caches sized for the prompts alone: images of a continuous batch's queue prefilled
+        ahead of their slots, whose prompt part `replace_images` copies into the running batch (a cache for
+        the whole image per queued image would double a batch's memory). The state can take no `step`."""
+        self._prompt_caches_only = True
+        try:
+            return self.prefill(condition, guided)
+        finally:
+            self._prompt_caches_only = False
+
+    def _ragged_pass(self, state: DecodeState, inputs: torch.Tensor, starts: torch.Tensor, forward) -> torch.Tensor:
+        """The layout of a ragged pass around the family's forward: row ``b`` of `inputs` (B, width, ...) is written
+        at consecutive cache slots from its (flat) image position ``starts[b]``, each input seeing its row's slots
+        up to its own; ``forward(inputs, slots, visible, positions)`` runs inside `writing_at`, with both twins'
+        rows under guidance. Attention reads up to the furthest slot fed, not the whole buffer (a pass early in
+        the image costs what `step` costs there, not what the end would)."""
+        capacity = self.cache_capacity(state.prefix_length)
+        slots, attend, visible = ragged_slots(state.cache, state.prefix_length + starts, inputs.shape[1], capacity)
+        positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
+        if state.guided:
+            inputs, slots, visible, positions = (torch.cat([x, x]) for x in (inputs, slots, visible, positions))
+        with writing_at(state.cache, slots, attend):
+            return forward(inputs, slots, visible, positions)
+
+    def replace_images(
+        self, state: DecodeState, images: torch.Tensor, fresh: DecodeState, fresh_images: torch.Tensor | None = None
+    ) -> None:
+        """Continuous batching: images ``images`` (k,) of `state` start over as the k images ``fresh_images`` (k,)
+        of `fresh` (a new `prefill` or `prefill_prompts` of their conditions; default: all of its images): the
+        prompt part of their cache rows (both twins under guidance) and their family extras (class ids, prompt
+        masks) are copied in. Their image slots are left as they are (stale, overwritten by the next ragged
+        passes). Needs the same prompt length and guidance."""
+        if fresh.prefix_length != state.prefix_length or fresh.guided != state.guided:
+            raise ValueError(
+                f"replace_images needs the same prompt length and guidance: the batch has {state.prefix_length} "
+                f"prompt slots (guided={state.guided}), the new images {fresh.prefix_length} "
+                f"(guided={fresh.guided}); group the queue by prompt length (backbones.base.group_by_prompt_length)"
+            )
+        if fresh_images is None:
+            fresh_images = torch.arange(fresh.batch_size, device=images.device)
+        if images.shape[0] != fresh_images.shape[0]:
+            raise ValueError(f"replace_images got {images.shape[0]} images for {fresh_images.shape[0]} new ones")
+        rows, fresh_rows = state.rows_of(images), fresh.rows_of(fresh_images)
+        prefix = state.prefix_length
+        for layer, new in zip(state.cache.layers, fresh.cache.layers):
+            for name in ("_key_buffer", "_value_buffer"):
+                buffer = getattr(layer, name)
+                buffer[rows.to(buffer.device), :, :prefix] = getattr(new, name)[
+                    fresh_rows.to(buffer.device), :, :prefix
+                ]
+        for key, value in fresh.extras.items():
+            if isinstance(value, torch.Tensor) and value.shape[0] == fresh.cache_rows:
+                state.extras[key][rows.to(value.device)] = value[fresh_rows.to(value.device)]
+            else:
+                raise ValueError(f"replace_images cannot merge {type(self).__name__}'s extra {key!r} row by row")
+
+    def keep_images(self, state: DecodeState, images: torch.Tensor) -> None:
+        """Continuous batching's drain: `state` keeps only the images ``images`` (k,), in this order (their cache
+        rows, both twins under guidance, and their family extras), so that later passes compute no finished
+        image's rows. One copy of the kept rows; ``state.batch_size`` becomes k."""
+        if images.dim() != 1 or not 0 < images.shape[0] <= state.batch_size:
+            raise ValueError(
+                f"keep_images needs 1 to {state.batch_size} image indices, got shape {tuple(images.shape)}"
+            )
+        rows = state.rows_of(images)
+        keep_rows(state.cache, rows)
+        for key, value in state.extras.items():
+            if not (isinstance(value, torch.Tensor) and value.shape[0] == state.cache_rows):
+                raise ValueError(f"keep_images cannot select {type(self).__name__}'s extra {key!r} row by row")
+            state.extras[key] = value.index_select(0, rows.to(value.device))
+        state.batch_size = int(images.shape[0])
+
+
+class ARImageBackbone(CompilablePasses, ContinuousBatching, nn.Module, ABC):
     """A frozen autoregressive image generator behind a small, family-agnostic API."""
 
     geometry: ImageGeometry
@@ -452,16 +531,6 @@ class ARImageBackbone(CompilablePasses, nn.Module, ABC):
         if getattr(self, "_prompt_caches_only", False):
             return prefix_length
         return prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
-
-    def prefill_prompts(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
-        """`prefill` into caches sized for the prompts alone: images of a continuous batch's queue prefilled
-        ahead of their slots, whose prompt part `replace_images` copies into the running batch (a cache for
-        the whole image per queued image would double a batch's memory). The state can take no `step`."""
-        self._prompt_caches_only = True
-        try:
-            return self.prefill(condition, guided)
-        finally:
-            self._prompt_caches_only = False
 
     def image_cache(self, num_layers: int, prefix_length: int):
         """A KV cache preallocated for the prompt and the whole image (`cache_capacity`).
@@ -613,68 +682,14 @@ class ARImageBackbone(CompilablePasses, nn.Module, ABC):
                 take[b] = row_take
             flat_starts = torch.tensor([geometry.flat_length(start) for start in starts_list], device=device)
         else:
-            flat, take, width, flat_starts = tokens, None, count, starts
-        capacity = self.cache_capacity(state.prefix_length)
-        # Consecutive slots per image (no two writes share one); attention reads up to the furthest slot fed, not
-        # the whole buffer (a pass early in the image costs what `step` costs there, not what the end would).
-        slots, attend, visible = ragged_slots(state.cache, state.prefix_length + flat_starts, width, capacity)
-        positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
-        if state.guided:
-            flat, slots, visible, positions = (torch.cat([x, x]) for x in (flat, slots, visible, positions))
-        with writing_at(state.cache, slots, attend):
-            hidden = self._forward_flat_at(state, flat, slots, visible, positions=positions)
+            flat, take, flat_starts = tokens, None, starts
+        hidden = self._ragged_pass(
+            state, flat, flat_starts, lambda *layout: self._forward_flat_at(state, *layout[:3], positions=layout[3])
+        )
         if take is None:
             return hidden
         take = torch.cat([take, take]) if state.guided else take
         return hidden.gather(1, take[:, :, None].expand(-1, -1, hidden.shape[-1]))
-
-    def replace_images(
-        self, state: DecodeState, images: torch.Tensor, fresh: DecodeState, fresh_images: torch.Tensor | None = None
-    ) -> None:
-        """Continuous batching: images ``images`` (k,) of `state` start over as the k images ``fresh_images`` (k,)
-        of `fresh` (a new `prefill` or `prefill_prompts` of their conditions; default: all of its images): the
-        prompt part of their cache rows (both twins under guidance) and their family extras (class ids, prompt
-        masks) are copied in. Their image slots are left as they are (stale, overwritten by the next ragged
-        passes). Needs the same prompt length and guidance."""
-        if fresh.prefix_length != state.prefix_length or fresh.guided != state.guided:
-            raise ValueError(
-                f"replace_images needs the same prompt length and guidance: the batch has {state.prefix_length} "
-                f"prompt slots (guided={state.guided}), the new images {fresh.prefix_length} "
-                f"(guided={fresh.guided}); group the queue by prompt length (backbones.base.group_by_prompt_length)"
-            )
-        if fresh_images is None:
-            fresh_images = torch.arange(fresh.batch_size, device=images.device)
-        if images.shape[0] != fresh_images.shape[0]:
-            raise ValueError(f"replace_images got {images.shape[0]} images for {fresh_images.shape[0]} new ones")
-        rows, fresh_rows = state.rows_of(images), fresh.rows_of(fresh_images)
-        prefix = state.prefix_length
-        for layer, new in zip(state.cache.layers, fresh.cache.layers):
-            for name in ("_key_buffer", "_value_buffer"):
-                buffer = getattr(layer, name)
-                buffer[rows.to(buffer.device), :, :prefix] = getattr(new, name)[
-                    fresh_rows.to(buffer.device), :, :prefix
-                ]
-        for key, value in fresh.extras.items():
-            if isinstance(value, torch.Tensor) and value.shape[0] == fresh.cache_rows:
-                state.extras[key][rows.to(value.device)] = value[fresh_rows.to(value.device)]
-            else:
-                raise ValueError(f"replace_images cannot merge {type(self).__name__}'s extra {key!r} row by row")
-
-    def keep_images(self, state: DecodeState, images: torch.Tensor) -> None:
-        """Continuous batching's drain: `state` keeps only the images ``images`` (k,), in this order (their cache
-        rows, both twins under guidance, and their family extras), so that later passes compute no finished
-        image's rows. One copy of the kept rows; ``state.batch_size`` becomes k."""
-        if images.dim() != 1 or not 0 < images.shape[0] <= state.batch_size:
-            raise ValueError(
-                f"keep_images needs 1 to {state.batch_size} image indices, got shape {tuple(images.shape)}"
-            )
-        rows = state.rows_of(images)
-        keep_rows(state.cache, rows)
-        for key, value in state.extras.items():
-            if not (isinstance(value, torch.Tensor) and value.shape[0] == state.cache_rows):
-                raise ValueError(f"keep_images cannot select {type(self).__name__}'s extra {key!r} row by row")
-            state.extras[key] = value.index_select(0, rows.to(value.device))
-        state.batch_size = int(images.shape[0])
 
     def _insert_end_of_line(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Add the EOL marker (-1) after every token that ends a row; return where each hidden is."""

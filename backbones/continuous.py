@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from backbones.base import CompilablePasses, Condition, DecodeState, ImageGeometry
+from backbones.base import CompilablePasses, Condition, ContinuousBatching, DecodeState, ImageGeometry
 from backbones.diffusion_head import DiffusionHead, DiffusionSample
 from backbones.kv_cache import preallocated_cache
 
@@ -44,7 +44,7 @@ def continuous_identity(model) -> dict:
     }
 
 
-class ContinuousARBackbone(CompilablePasses, nn.Module, ABC):
+class ContinuousARBackbone(CompilablePasses, ContinuousBatching, nn.Module, ABC):
     """A frozen causal continuous-token image generator behind a small, family-agnostic API."""
 
     geometry: ImageGeometry
@@ -86,8 +86,15 @@ class ContinuousARBackbone(CompilablePasses, nn.Module, ABC):
     # ---- shared mechanics ------------------------------------------------------------------
 
     def image_cache(self, num_layers: int, prefix_length: int):
-        """A KV cache preallocated for the prompt and every image token (backbones/kv_cache.py)."""
-        return preallocated_cache(num_layers, prefix_length + self.geometry.num_tokens)
+        """A KV cache preallocated for the prompt and every image token (backbones/kv_cache.py); the prompt's
+        alone inside `prefill_prompts`."""
+        return preallocated_cache(num_layers, self.cache_capacity(prefix_length))
+
+    def cache_capacity(self, prefix_length: int) -> int:
+        """Cache positions of the prompt and the whole image; the prompt's alone inside `prefill_prompts`."""
+        if getattr(self, "_prompt_caches_only", False):
+            return prefix_length
+        return prefix_length + self.geometry.num_tokens
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Append token vectors (B, T, token_dim) after those in `state`; return their hidden states.
@@ -105,6 +112,36 @@ class ContinuousARBackbone(CompilablePasses, nn.Module, ABC):
         hidden = self._forward_tokens(state, tokens)
         state.num_image_tokens = start + count
         return hidden
+
+    def step_ragged(self, state: DecodeState, tokens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Each image feeds its own run of token vectors from its own grid position, all in one pass.
+
+        tokens (B, T, token_dim): image ``b``'s go to positions ``starts[b] .. starts[b] + T - 1`` (pad a shorter
+        run with anything: those states are computed and ignored). Each token sees its image's prompt, its
+        image's cache slots before its own position and the tokens before it in this run, at the position ids
+        `step` gives it there, so ``out[b, j]`` (rows, T, hidden) is what `step` returns for that token after
+        the image's first ``starts[b] + j`` tokens. As `ARImageBackbone.step_ragged`: the caller keeps, per
+        image, how far the cache is final; `state.num_image_tokens` is not maintained (mix no `step` or
+        `rollback` with ragged passes).
+        """
+        batch = tokens.shape[0]
+        if batch != state.batch_size or starts.shape != (batch,):
+            raise ValueError(
+                f"step_ragged got tokens {tuple(tokens.shape)} and starts {tuple(starts.shape)} for a batch of "
+                f"{state.batch_size}: give (batch, T, token_dim) tokens and one start per image"
+            )
+        if int(starts.min()) < 0 or int(starts.max()) >= self.geometry.num_tokens:
+            raise ValueError(
+                f"step_ragged: starts must be grid positions in [0, {self.geometry.num_tokens}), got {starts}"
+            )
+        return self._ragged_pass(state, tokens, starts, lambda *layout: self._forward_tokens_at(state, *layout))
+
+    def _forward_tokens_at(self, state, tokens, slots, visible, positions) -> torch.Tensor:
+        """Token vectors (rows, T, token_dim) at cache `slots` (rows, T), each seeing the slots `visible`
+        (rows, T, attend), at position ids `positions` (rows, T): the family's ragged pass."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no ragged pass: use the batched methods (cspd, not cspd_ragged) with it"
+        )
 
     def rollback(self, state: DecodeState, num_image_tokens: int) -> None:
         """Crop the cache back so that only the first `num_image_tokens` tokens remain."""

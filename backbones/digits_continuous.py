@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from backbones.base import Condition, DecodeState, ImageGeometry
 from backbones.continuous import ContinuousARBackbone
 from backbones.diffusion_head import DiffusionHead, DiffusionHeadConfig
+from backbones.hf_loading import positional_arguments
 from backbones.saved_model import load_model, save_model
 
 NUM_CLASSES = 10
@@ -185,12 +186,17 @@ class ContinuousDigitsBackbone(ContinuousARBackbone):
     def _forward_tokens(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, self.embed_tokens(tokens))
 
+    def _forward_tokens_at(self, state, tokens, slots, visible, positions) -> torch.Tensor:
+        return self._run(
+            state, self.embed_tokens(tokens), **positional_arguments(tokens.shape[0], slots, visible, positions)
+        )
+
     def pass_module(self) -> nn.Module:
         return self.transformer
 
-    def _run(self, state: DecodeState, embeds: torch.Tensor) -> torch.Tensor:
+    def _run(self, state: DecodeState, embeds: torch.Tensor, **positional) -> torch.Tensor:
         embeds = embeds + state.extras["class_embedding"]
-        return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True).last_hidden_state
+        return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional).last_hidden_state
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_proj(tokens.to(self.token_proj.weight.dtype))
