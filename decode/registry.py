@@ -148,9 +148,9 @@ def check_token_kinds(methods: list[Method], backbone) -> None:
         if method.spec.token_kind not in ("any", kind):
             raise ValueError(
                 f"decode method {method.name!r} ({method.generator}) decodes {method.spec.token_kind} tokens, but "
-                f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, cspd_ragged, "
-                "cspd_relaxed, cspd_rows; masked (MAR): ar, cspd_mar, cspd_mar_reference, mar_grouped; discrete: ar, "
-                "ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
+                f"{backbone.name} has {kind} tokens; choose methods for it (continuous backbones: ar, cspd, "
+                "cspd_ragged, cspd_relaxed, cspd_rows; masked (MAR): ar, cspd_mar, cspd_mar_reference, mar_grouped; "
+                "discrete: ar, ssd_*, mulo*, sjd, gsd, zipar, eagle*, lantern)"
             )
 
 
