@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometry
 from backbones.digits import DigitsBackbone, DigitsBackboneConfig
+from backbones.hf_loading import positional_arguments
 
 DESIGNS = ("digits", "llama")
 CONDITIONINGS = ("class", "prompt")
@@ -251,9 +252,13 @@ class MuLoLlamaDrafterModel(ARImageBackbone):
     def _forward_flat(self, state: DecodeState, flat_tokens: torch.Tensor) -> torch.Tensor:
         return self._run(state, flat_tokens)
 
-    def _run(self, state: DecodeState, inputs: torch.Tensor) -> torch.Tensor:
+    def _forward_flat_at(self, state, flat_tokens, slots, visible, positions=None) -> torch.Tensor:
+        """Position-addressed and ragged passes (ragged MuLo-SD drafts each image at its own low-res row)."""
+        return self._run(state, flat_tokens, **positional_arguments(flat_tokens.shape[0], slots, visible, positions))
+
+    def _run(self, state: DecodeState, inputs: torch.Tensor, **positional) -> torch.Tensor:
         embeds = self.token_embed(inputs) + state.extras["condition"][:, None]
-        return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True).last_hidden_state
+        return self.transformer(inputs_embeds=embeds, cache=state.cache, use_cache=True, **positional).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden))
