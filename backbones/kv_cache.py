@@ -18,6 +18,7 @@ Slots never written hold zero keys and values, as ZipAR's static cache does.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -150,6 +151,22 @@ def keep_rows(cache, rows: torch.Tensor) -> None:
             buffer = getattr(layer, name)
             setattr(layer, name, buffer.index_select(0, rows.to(buffer.device)))
         layer._expose(layer.length)
+
+
+def copy_rows(cache, rows: torch.Tensor):
+    """A new cache holding only the rows ``rows`` (k,) of `cache`, in this order (one copy of them; `cache` is left
+    as it is): a scratch batch of some images, such as ragged MuLo-SD drafting the images that start a block."""
+    copied = copy.copy(cache)
+    copied.layers = []
+    for layer in cache.layers:
+        clone = copy.copy(layer)
+        if layer.is_initialized:
+            for name in ("_key_buffer", "_value_buffer"):
+                buffer = getattr(layer, name)
+                setattr(clone, name, buffer.index_select(0, rows.to(buffer.device)))
+            clone._expose(layer.length)
+        copied.layers.append(clone)
+    return copied
 
 
 def keep_slots(cache, sources: torch.Tensor, start: int) -> None:

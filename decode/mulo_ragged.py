@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from backbones.base import ARImageBackbone, Condition
+from backbones.kv_cache import copy_rows
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.drain import drain_finished
 from decode.method import MethodSpec
@@ -59,6 +60,9 @@ class RaggedMuLoConfig:
 
     upsample_mode: str = "nearest"  # interpolation of the upsampler (in pixel or latent space, per the drafter)
     drafter_cfg_scale: float = 1.0  # the drafter's own guidance (1.0: none; it is distilled from guided samples)
+    # positions verified per image and pass, from its frontier (0: to its block's end). A pass costs compute per
+    # token fed (a CPU, large batches), and past the first rejection a pass's verdicts are thrown away.
+    window: int = 0
     slots: int = 0  # images decoded at once (continuous batching over the queue); 0: all the conditions
     # once the queue is empty, drop finished images' slots when at most this share still decodes (decode/drain.py;
     # 0: never)
@@ -66,8 +70,11 @@ class RaggedMuLoConfig:
 
     def __post_init__(self):
         MuLoDecodeConfig(mode="exact", upsample_mode=self.upsample_mode, drafter_cfg_scale=self.drafter_cfg_scale)
-        if self.slots < 0:
-            raise ValueError(f"ragged MuLo needs slots >= 0 (0: all the conditions), got {self.slots}")
+        if self.slots < 0 or self.window < 0:
+            raise ValueError(
+                f"ragged MuLo needs slots >= 0 (0: all the conditions) and window >= 0 (0: to the block's end), got "
+                f"{self.slots} and {self.window}"
+            )
         if not 0 <= self.drain < 1:
             raise ValueError(f"ragged MuLo drain must be in [0, 1) (0: never drain), got {self.drain}")
 
@@ -124,38 +131,55 @@ def generate_mulo_ragged(
         need = active & (run.frontier % size == 0) & (run.drafted_block < block)
         if not bool(need.any()):
             return
-        low_start = block.clamp(max=small.geometry.rows - 1) * low_cols  # others: their current low row (stale)
         hidden = small_first[:, None]  # (rows, 1, H): the state before an image's first low-res row
         if bool((need & (block > 0)).any()):  # the last committed low-res row goes into the drafter's cache
-            previous = (block - 1).clamp(min=0)
-            fed = small.step_ragged(
-                small_state, run.low[torch.arange(len(block), device=device), previous], previous * low_cols
-            )
+            previous = (block - 1).clamp(min=0)  # other images re-feed a committed row (the same entries)
+            committed = run.low[torch.arange(len(block), device=device), previous]
+            fed = small.step_ragged(small_state, committed, previous * low_cols)
             after_first = (block > 0).repeat(hidden.shape[0] // len(block))
             hidden = torch.where(after_first[:, None, None], fed[:, -1:], hidden)
+        # The low-res rows are drafted on a scratch copy of the drafting images' cache rows: a drafter step costs
+        # what a backbone step does, and the drafts it writes are never read again (a finished block's accepted
+        # row replaces them above).
+        images = torch.nonzero(need)[:, 0]
+        rows = small_state.rows_of(images)
+        scratch = replace(
+            small_state,
+            cache=copy_rows(small_state.cache, rows),
+            batch_size=len(images),
+            extras={key: value.index_select(0, rows.to(value.device)) for key, value in small_state.extras.items()},
+        )
+        hidden, start, seed = hidden[rows], block[images] * low_cols, run.seed[images]
         low_row = []
         for column in range(low_cols):
-            q = token_distribution(small.scores(small_state, hidden, drafter_sampling.cfg_scale), drafter_sampling)
-            position = low_start + column
-            low_row.append(sample_with(q[:, 0], keyed_uniforms(run.seed, position, _DRAFT)))
-            if column + 1 < low_cols:  # images that draft nothing write their stale low row: nothing reads it
-                hidden = small.step_ragged(small_state, low_row[-1][:, None], position)
-        low_row = torch.stack(low_row, dim=1)  # (B, w)
-        for index in block[need].unique().tolist():  # interpolating upsamplers read the low-res rows above
-            group = torch.nonzero(need & (block == index))[:, 0]
+            q = token_distribution(small.scores(scratch, hidden, drafter_sampling.cfg_scale), drafter_sampling)
+            low_row.append(sample_with(q[:, 0], keyed_uniforms(seed, start + column, _DRAFT)))
+            if column + 1 < low_cols:
+                hidden = small.step_ragged(scratch, low_row[-1][:, None], start + column)
+        low_row = torch.stack(low_row, dim=1)  # (k, w)
+        for index in block[images].unique().tolist():  # interpolating upsamplers read the low-res rows above
+            group = torch.nonzero(block[images] == index)[:, 0]
             drafts = upsample_block(
-                low_row[group], run.low[group, :index], small, backbone, scale, config.upsample_mode, resample, latents
+                low_row[group],
+                run.low[images[group], :index],
+                small,
+                backbone,
+                scale,
+                config.upsample_mode,
+                resample,
+                latents,
             )
-            run.tokens[group, index * size : (index + 1) * size] = drafts.flatten(1)
-            run.drafted_block[group] = index
+            run.tokens[images[group], index * size : (index + 1) * size] = drafts.flatten(1)
+            run.drafted_block[images[group]] = index
 
     while bool((run.image >= 0).any()):
         active = run.image >= 0
         draft_blocks(active)
         frontier = torch.where(active, run.frontier, 0)
-        block_end = (frontier // size + 1) * size  # each image's open positions: frontier .. block_end - 1
+        block_end = (frontier // size + 1) * size
+        verify_end = torch.minimum(block_end, frontier + config.window) if config.window else block_end
         start = (frontier - 1).clamp(min=0)  # from the last final token (the prefill's state before token 0)
-        width = int((block_end - start)[active].max())
+        width = int((verify_end - start)[active].max())  # each image's open positions: frontier .. verify_end - 1
         columns = torch.arange(width, device=device)
         fed = (start[:, None] + columns).clamp(max=total - 1)
         out = backbone.step_ragged(state, run.tokens.gather(1, fed), start)  # out[:, j] predicts start + j + 1
@@ -167,7 +191,7 @@ def generate_mulo_ragged(
         states = extended.gather(1, index[..., None].expand(-1, -1, out.shape[-1]))
         p = token_distribution(backbone.scores(state, states, sampling.cfg_scale), sampling)  # (B, W, V)
         positions = (frontier[:, None] + columns).clamp(max=total - 1)
-        is_open = (frontier[:, None] + columns < block_end[:, None]) & active[:, None]
+        is_open = (frontier[:, None] + columns < verify_end[:, None]) & active[:, None]
         rows = torch.arange(len(frontier), device=device)[:, None].expand_as(positions)
         run.attempts[rows[is_open], positions[is_open]] += 1
         tested = run.attempts.gather(1, positions)

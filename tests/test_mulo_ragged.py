@@ -36,12 +36,12 @@ def _mulo(backbone, drafter, condition=QUEUE, sampling=SAMPLED, seed=5, **settin
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
-@pytest.mark.parametrize("slots", [7, 3, 1])
-def test_greedy_ragged_mulo_equals_greedy_ar(cfg_scale, slots):
+@pytest.mark.parametrize("slots,window", [(7, 0), (3, 0), (1, 0), (3, 2), (7, 5)])
+def test_greedy_ragged_mulo_equals_greedy_ar(cfg_scale, slots, window):
     backbone = random_digits_backbone(seed=0, grid_size=12, levels=8, hidden_size=32, num_layers=2, num_heads=2,
                                       intermediate_size=64)  # fmt: skip
     sampling = SamplingConfig(greedy=True, cfg_scale=cfg_scale)
-    result = _mulo(backbone, drafter_for(backbone, scale=3), sampling=sampling, slots=slots)
+    result = _mulo(backbone, drafter_for(backbone, scale=3), sampling=sampling, slots=slots, window=window)
     assert torch.equal(result.tokens, generate_ar(backbone, QUEUE, sampling).tokens)
     assert result.drafted_tokens > 0  # a random drafter's greedy drafts: rejected, corrected from p without them
 
@@ -60,6 +60,9 @@ def test_an_image_gets_the_same_mulo_tokens_whatever_its_batch():
     assert 0 < alone.accepted_tokens < alone.drafted_tokens  # drafts pass and fail
     for slots in (3, 7):
         assert torch.equal(_mulo(backbone, drafter, slots=slots).tokens, alone.tokens)
+    # a window changes which positions a pass verifies, never with the batch
+    windowed = _mulo(backbone, drafter, slots=1, window=3).tokens
+    assert torch.equal(_mulo(backbone, drafter, slots=5, window=3).tokens, windowed)
 
 
 @pytest.mark.parametrize("leak", PLANTED_LEAKS)
@@ -127,6 +130,7 @@ def test_the_ragged_mulo_distribution_test_catches_a_residual_without_the_draft(
     "settings, problem",
     [
         (dict(slots=-1), "slots >= 0"),
+        (dict(window=-1), "window >= 0"),
         (dict(drain=1.0), "drain must be in"),
         (dict(drafter_cfg_scale=-1.0), "drafter_cfg_scale"),
     ],
