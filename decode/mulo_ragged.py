@@ -8,10 +8,13 @@ image against 276 alone, docs/results.md). Here, per round:
 
 1. each image whose frontier reached a new block drafts it: the drafter's cache gets the image's last committed
    low-resolution row (one ragged drafter pass), then the drafter samples the block's low-res row token by token
-   (ragged steps, each image at its own low-res positions), and the upsampler turns it into ``r`` backbone rows
+   (ragged steps on a scratch copy of the drafting images' cache rows only: a drafter step costs what a backbone
+   step does, and images reach new blocks at different rounds), and the upsampler turns it into ``r`` backbone rows
    (decode/mulo_resampling.py; interpolating modes read the image's own committed low-res rows above);
-2. one ragged backbone pass (`ARImageBackbone.step_ragged`) feeds each image from its last final token to its
-   block's end (point proposals: drafts and drafts kept from earlier rounds);
+2. one ragged backbone pass (`ARImageBackbone.step_ragged`) feeds each image from its last final token over its
+   next ``window`` open positions, or to its block's end (point proposals: drafts and drafts kept from earlier
+   rounds); the window only changes which positions a pass verifies, so exactness and batch independence hold
+   for any window;
 3. each image's open positions are tested left to right as `mulo_exact` tests them: a point proposal x passes
    with probability p(x); at the first rejection the token is drawn from p without x (`rules.point_residual`) and
    the rest of the block is tested again next round, against a pass that sees the correction;
