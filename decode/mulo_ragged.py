@@ -126,7 +126,7 @@ def generate_mulo_ragged(
     run.seed = seeds[:slots].to(device)
     output = torch.zeros(count, total, dtype=torch.long, device=device)
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
-    counts = {"passes": 1, "drafted": 0, "accepted": 0, "drains": 0}
+    counts = {"passes": 1, "drafted": 0, "accepted": 0, "drains": 0, "window_sum": 0, "window_passes": 0}
 
     def draft_blocks(active: torch.Tensor) -> None:
         """Step 1 for the images whose frontier reached a block they have not drafted."""
@@ -204,6 +204,8 @@ def generate_mulo_ragged(
         opened = is_open.sum(1)
         cut = torch.minimum(rejected_at, opened)
         counts["drafted"] += int(opened.sum())
+        counts["window_sum"] += int(opened.sum())  # the report's mean open positions per image and pass
+        counts["window_passes"] += int(active.sum())
         counts["accepted"] += int(cut.sum())
         rejected = active & (rejected_at < opened)
         if bool(rejected.any()):
@@ -253,7 +255,7 @@ def generate_mulo_ragged(
         forward_passes=counts["passes"],
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
-        extras={"drains": counts["drains"]},
+        extras={k: counts[k] for k in ("drains", "window_sum", "window_passes")},
     )
 
 

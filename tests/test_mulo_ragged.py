@@ -179,3 +179,6 @@ def test_ragged_mulo_runs_from_the_command_line(tmp_path, classifier_cache):
     figures = json.loads((tmp_path / "out" / "metrics.json").read_text())["methods"]["mulo_ragged"]
     assert figures["lossless"] and figures["generator"] == "decode.mulo_ragged"
     assert 1 <= figures["forward_passes_per_image"] < 64
+    assert 1 <= figures["counts"]["window_sum"] / figures["counts"]["window_passes"] <= 4  # the preset's window
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "mean open positions verified per image and pass: mulo_ragged" in summary
