@@ -336,7 +336,23 @@ class ContinuousBatching:
     """The cache-row operations of continuous batching, shared by discrete and continuous backbones: a queue's
     prompts prefilled ahead (`prefill_prompts`), a finished image's slot handed to the next (`replace_images`) and
     finished slots dropped from the batch (`keep_images`). They work on any `DecodeState` whose cache is
-    preallocated (backbones/kv_cache.py) and whose extras hold one row per cache row."""
+    preallocated (backbones/kv_cache.py) and whose extras hold one row per cache row; the caches themselves are
+    sized here (`image_cache`), for the whole image or, inside `prefill_prompts`, the prompt alone."""
+
+    def cache_capacity(self, prefix_length: int) -> int:
+        """Cache positions of the prompt and the whole image (with its end-of-line tokens); the prompt's alone
+        inside `prefill_prompts`."""
+        if getattr(self, "_prompt_caches_only", False):
+            return prefix_length
+        return prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
+
+    def image_cache(self, num_layers: int, prefix_length: int):
+        """A KV cache preallocated for the prompt and the whole image (`cache_capacity`).
+
+        Appending writes in place (backbones/kv_cache.py): transformers' DynamicCache copies the
+        whole cache on every pass, which makes the baseline slower than it needs to be.
+        """
+        return preallocated_cache(num_layers, self.cache_capacity(prefix_length))
 
     def prefill_prompts(self, condition: Condition, guided: bool) -> tuple[DecodeState, torch.Tensor]:
         """`prefill` into caches sized for the prompts alone: images of a continuous batch's queue prefilled
@@ -524,21 +540,6 @@ class ARImageBackbone(CompilablePasses, ContinuousBatching, nn.Module, ABC):
         )
 
     # ---- shared mechanics ------------------------------------------------------------------
-
-    def cache_capacity(self, prefix_length: int) -> int:
-        """Cache positions of the prompt and the whole image (with its end-of-line tokens); the prompt's alone
-        inside `prefill_prompts`."""
-        if getattr(self, "_prompt_caches_only", False):
-            return prefix_length
-        return prefix_length + self.geometry.flat_length(self.geometry.num_tokens)
-
-    def image_cache(self, num_layers: int, prefix_length: int):
-        """A KV cache preallocated for the prompt and the whole image (`cache_capacity`).
-
-        Appending writes in place (backbones/kv_cache.py): transformers' DynamicCache copies the
-        whole cache on every pass, which makes the baseline slower than it needs to be.
-        """
-        return preallocated_cache(num_layers, self.cache_capacity(prefix_length))
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Append grid tokens (B, T) after the ones already in `state`; return their hidden states.

@@ -29,7 +29,6 @@ from torch import nn
 
 from backbones.base import CompilablePasses, Condition, ContinuousBatching, DecodeState, ImageGeometry
 from backbones.diffusion_head import DiffusionHead, DiffusionSample
-from backbones.kv_cache import preallocated_cache
 
 
 def continuous_identity(model) -> dict:
@@ -84,17 +83,6 @@ class ContinuousARBackbone(CompilablePasses, ContinuousBatching, nn.Module, ABC)
         raise NotImplementedError(f"{type(self).__name__} has no pixel encoder")
 
     # ---- shared mechanics ------------------------------------------------------------------
-
-    def image_cache(self, num_layers: int, prefix_length: int):
-        """A KV cache preallocated for the prompt and every image token (backbones/kv_cache.py); the prompt's
-        alone inside `prefill_prompts`."""
-        return preallocated_cache(num_layers, self.cache_capacity(prefix_length))
-
-    def cache_capacity(self, prefix_length: int) -> int:
-        """Cache positions of the prompt and the whole image; the prompt's alone inside `prefill_prompts`."""
-        if getattr(self, "_prompt_caches_only", False):
-            return prefix_length
-        return prefix_length + self.geometry.num_tokens
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Append token vectors (B, T, token_dim) after those in `state`; return their hidden states.

@@ -93,6 +93,11 @@ def check_gamma(gamma, max_gamma: int, method: str) -> None:
         raise ValueError(f"{method} gamma must be an int >= 1 or 'auto' (max_gamma >= 1), got {gamma!r}, {max_gamma}")
 
 
+def exact_test(settings) -> bool:
+    """Whether CSpD settings verify exactly (lossless): tau 1 and no reference correction."""
+    return settings.tau == 1.0 and not settings.reference_correction
+
+
 def check_verification(prefill_fraction: float, tau: float, method: str) -> None:
     """The settings of `speculate` every CSpD drafter shares: a pre-fill fraction in [0, 1), tau finite and >= 1."""
     if not 0 <= prefill_fraction < 1:
@@ -317,6 +322,6 @@ METHOD = MethodSpec(
     settings=CSpDConfig,
     artefact="drafter",
     artefact_kind="cspd",
-    lossless=lambda s: s.tau == 1.0 and not s.reference_correction,
+    lossless=exact_test,
     token_kind="continuous",
 )

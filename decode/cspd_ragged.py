@@ -51,7 +51,7 @@ from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.continuous_ar import check_continuous_sampling
-from decode.cspd import CSpDConfig, check_verification
+from decode.cspd import CSpDConfig, DraftRound, check_verification, exact_test
 from decode.drain import drain_finished
 from decode.method import MethodSpec
 from decode.result import GenerationResult
@@ -141,7 +141,7 @@ def generate_cspd_ragged(
     run = _Slots(backbone, slots, device, first.dtype)
     output = torch.zeros(count, total, backbone.token_dim, device=device, dtype=first.dtype)
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
-    counts = dict.fromkeys(("drafted", "accepted", "fallbacks", "drains", "window_sum", "window_passes"), 0)
+    counts = dict.fromkeys(("drafted", "accepted", "fallbacks", "drains", "window_passes"), 0)
     counts["passes"] = 1
 
     def start(started: torch.Tensor, images: torch.Tensor, first_states: torch.Tensor) -> None:
@@ -189,7 +189,7 @@ def generate_cspd_ragged(
             cut = torch.minimum(first_true(~passed, none=width), want)
             kept = torch.arange(width, device=device)[None] < cut[:, None]
             write = kept & active[:, None]
-            slot_index = torch.arange(slots, device=device)[:, None].expand_as(positions[:, :width])
+            slot_index = torch.arange(len(done), device=device)[:, None].expand_as(positions[:, :width])
             run.tokens[slot_index[write], positions[:, :width][write]] = drafts.tokens[write]
             rejected = torch.nonzero(active & (cut < want))[:, 0]
             for slot in rejected.tolist():
@@ -205,8 +205,7 @@ def generate_cspd_ragged(
             run.fed = torch.where(active, done + cut.clamp(max=width - 1), run.fed)
             counts["drafted"] += int(want.sum())
             counts["accepted"] += int(cut[active].sum())
-            counts["window_sum"] += int(want.sum())
-            counts["window_passes"] += int((want > 0).sum())
+            counts["window_passes"] += int((want > 0).sum())  # image-rounds with drafts
         # Every draft kept (or none drafted): the backbone's own sample at the next position, if there is one.
         whole = torch.nonzero(active & (cut == want) & (done + want < total))[:, 0]
         run.tokens[whole, done[whole] + want[whole]] = target.tokens[whole, want[whole]]
@@ -226,7 +225,6 @@ def generate_cspd_ragged(
                 kept_slots = drain_finished(backbone, state, run.image >= 0, [run], config.drain)
                 if kept_slots is not None:
                     drafter.keep_images(draft_state, kept_slots)
-                    slots = len(kept_slots)
                     counts["drains"] += 1
     rows, cols = backbone.geometry.rows, backbone.geometry.cols
     return GenerationResult(
@@ -235,22 +233,16 @@ def generate_cspd_ragged(
         drafted_tokens=counts["drafted"],
         accepted_tokens=counts["accepted"],
         # window_sum / window_passes: the mean drafts per image and round (the report prints it)
-        extras={k: counts[k] for k in ("drains", "window_sum", "window_passes")}
-        | {"residual_fallbacks": counts["fallbacks"]},
+        extras={
+            "drains": counts["drains"],
+            "window_sum": counts["drafted"],
+            "window_passes": counts["window_passes"],
+            "residual_fallbacks": counts["fallbacks"],
+        },
     )
 
 
-@dataclass
-class _Drafts:
-    """A round's drafts and the Gaussians they were drawn from, (B, width, D) each."""
-
-    tokens: torch.Tensor
-    mean: torch.Tensor
-    std: torch.Tensor
-    log_std_sum: torch.Tensor
-
-
-def _draft(drafter, draft_state, run: _Slots, active, width: int, cfg: float, temperature: float) -> _Drafts:
+def _draft(drafter, draft_state, run: _Slots, active, width: int, cfg: float, temperature: float) -> DraftRound:
     """Step 2: the drafter catches up with each image's committed tokens (one ragged pass from what its cache
     holds), then samples `width` tokens per image one after another, each on the image's trajectory noise."""
     device, total = run.done.device, run.tokens.shape[1]
@@ -261,17 +253,15 @@ def _draft(drafter, draft_state, run: _Slots, active, width: int, cfg: float, te
     last = (lacking - 1).repeat(hidden.shape[0] // len(lacking))  # the state after each image's last token
     hidden = hidden[torch.arange(hidden.shape[0], device=device), last][:, None]  # (rows, 1, H)
     run.fed = torch.where(active, run.done, run.fed)
-    tokens, means, stds, log_stds = [], [], [], []
+    drafts = []
     for j in range(width):
         position = (run.done + j).clamp(max=total - 1)
-        drawn = drafter.sample_tokens(draft_state, hidden, run.at(run.noise, position[:, None]), cfg, temperature)
-        tokens.append(drawn.tokens)
-        means.append(drawn.final_mean)
-        stds.append(drawn.final_std)
-        log_stds.append(drawn.log_std_sum)
+        drafts.append(
+            drafter.sample_tokens(draft_state, hidden, run.at(run.noise, position[:, None]), cfg, temperature)
+        )
         if j + 1 < width:  # past an image's end a draft lands on its last slot: no later query reads it
-            hidden = drafter.step_ragged(draft_state, drawn.tokens, position)
-    return _Drafts(*(torch.cat(values, dim=1) for values in (tokens, means, stds, log_stds)))
+            hidden = drafter.step_ragged(draft_state, drafts[-1].tokens, position)
+    return DraftRound.of(drafts)
 
 
 def _generate(backbone, drafter, condition, sampling, generator, settings: RaggedCSpDConfig) -> GenerationResult:
@@ -285,7 +275,7 @@ METHOD = MethodSpec(
     settings=RaggedCSpDConfig,
     artefact="drafter",
     artefact_kind="cspd",
-    lossless=lambda s: s.tau == 1.0 and not s.reference_correction,
+    lossless=exact_test,
     token_kind="continuous",
     continuous=True,
 )
