@@ -63,6 +63,11 @@ MULO_CASES = [
     ("mulo_exact", {"mode": "exact"}),
     ("mulo_exact_bicubic", {"mode": "exact", "upsample_mode": "bicubic"}),
 ]
+# Ragged lossless MuLo-SD (decode/mulo_ragged.py) with the same drafter
+MULO_RAGGED_CASES = [
+    ("mulo_ragged", {}),
+    ("mulo_ragged_w4_bicubic_slots2", {"window": 4, "upsample_mode": "bicubic", "slots": 2}),
+]
 # The peers (conf/method/ presets' settings, and variants): (case, generator module, settings)
 PEER_CASES = [
     ("sjd", "decode.sjd", {}),
@@ -112,6 +117,10 @@ CSPD_CASES = [
     ("cspd_relaxed", {"tau": 42.0, "reference_correction": True}),
     ("cspd_unaligned", {"trajectory_alignment": False}),
     ("cspd_g2_prefill15", {"gamma": 2, "prefill_fraction": 0.15}),
+]
+CSPD_RAGGED_CASES = [
+    ("cspd_ragged", {}),
+    ("cspd_ragged_g1_slots2", {"gamma": 1, "slots": 2}),
 ]
 CSPD_MAR_CASES = [
     ("cspd_mar", {}),
@@ -250,6 +259,7 @@ def compute_pins() -> dict:
     """{case: {run: record}} for every case and run (a few seconds on 2 cores)."""
     from decode.ar import generate_ar
     from decode.mulo import MuLoDecodeConfig, generate_mulo
+    from decode.mulo_ragged import RaggedMuLoConfig, generate_mulo_ragged
     from decode.sampling import SamplingConfig
     from decode.ssd import SSDDecodeConfig, generate_ssd
 
@@ -265,6 +275,12 @@ def compute_pins() -> dict:
     for name, settings in MULO_CASES:
         config = MuLoDecodeConfig(**settings)
         cases[name] = (lambda b, c, s, g, config=config: generate_mulo(b, drafter, c, s, g, config), mulo_backbone)
+    for name, settings in MULO_RAGGED_CASES:
+        config = RaggedMuLoConfig(**settings)
+        cases[name] = (
+            lambda b, c, s, g, config=config: generate_mulo_ragged(b, drafter, c, s, g, config),
+            mulo_backbone,
+        )
     for name, module_name, settings in PEER_CASES:
         method = importlib.import_module(module_name).METHOD
         config = method.settings(**settings)
@@ -300,6 +316,7 @@ def compute_pins() -> dict:
 def _continuous_pins() -> dict:
     from decode.cspd import CSpDConfig, generate_cspd
     from decode.cspd_mar import CSpDMARConfig, generate_cspd_mar
+    from decode.cspd_ragged import RaggedCSpDConfig, generate_cspd_ragged
     from decode.cspd_rows import CSpDRowsConfig, generate_cspd_rows
     from decode.sampling import SamplingConfig
 
@@ -309,6 +326,9 @@ def _continuous_pins() -> dict:
     for name, settings in CSPD_CASES:
         config = CSpDConfig(**settings)
         cases[name] = lambda c, s, g, config=config: generate_cspd(backbone, drafter, c, s, g, config)
+    for name, settings in CSPD_RAGGED_CASES:
+        config = RaggedCSpDConfig(**settings)
+        cases[name] = lambda c, s, g, config=config: generate_cspd_ragged(backbone, drafter, c, s, g, config)
     cases["cspd_rows"] = lambda c, s, g: generate_cspd_rows(backbone, heads, c, s, g, CSpDRowsConfig())
     for name, settings in CSPD_MAR_CASES:
         config = CSpDMARConfig(**settings)
