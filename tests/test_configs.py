@@ -157,7 +157,7 @@ def test_the_comparison_runs_mulo_at_the_operating_point_its_experiment_measures
     operating point than the README's MuLo-SD section measures)."""
     compare = compose_config(["+experiment=compare_digits"], tmp_path).decode.presets
     mulo = compose_config(["+experiment=mulo_digits"], tmp_path).decode.presets
-    for name in ("mulo", "mulo_exact"):
+    for name in ("mulo", "mulo_exact", "mulo_ragged"):
         assert OmegaConf.to_container(compare[name]) == OmegaConf.to_container(mulo[name]), name
 
 
