@@ -27,11 +27,14 @@ COMPARISON_METHODS = [
     "ssd_autocorrect",
     "ssd_tree",
     "ssd_ragged",
+    "ssd_ragged_autocorrect",
     "mulo",
     "mulo_exact",
+    "mulo_ragged",
     "sjd",
     "sjd_ragged",
     "gsd",
+    "gsd_ragged",
     "zipar",
     "eagle",
     "eagle_ragged",
@@ -39,6 +42,7 @@ COMPARISON_METHODS = [
     "eagle_depth3",
     "eagle2",
     "lantern",
+    "lantern_ragged",
 ]
 
 

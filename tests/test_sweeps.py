@@ -155,7 +155,7 @@ def test_the_comparison_is_one_command_with_a_job_per_batch_size(tmp_path, class
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert len(rows) == 2 * len(COMPARISON_METHODS) == 2 * 17  # a row per job and method
+    assert len(rows) == 2 * len(COMPARISON_METHODS) == 2 * 21  # a row per job and method
     for job in ("0", "1"):
         metrics = json.loads((tmp_path / "sweep" / job / "metrics.json").read_text())
         assert set(metrics["methods"]) == set(COMPARISON_METHODS)
