@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from common.atomic_io import atomic_save_safetensors, atomic_write_text, remove_leftover_temporaries
+from common.paths import PROJECT_ROOT
 from heads.cspd import ContinuousRowHeads, CSpDDrafter, CSpDDrafterConfig
 from heads.eagle import EagleHead, EagleHeadConfig
 from heads.mulo import MuLoDrafter, MuLoDrafterConfig
@@ -72,14 +73,24 @@ def export_heads(heads: nn.Module, directory: str | Path, backbone_identity: dic
     return directory
 
 
+def training_advice(directory: Path) -> str:
+    """How to make the export `directory` should hold: the experiment of the same name (a training exports to
+    checkpoints/<experiment_name>), else any training pointed at it."""
+    experiment = directory.name
+    if (PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").is_file():
+        command = "python -m train" if experiment == "ssd_digits" else f"python -m train +experiment={experiment}"
+        return f"train it first (`{command}`, which exports there) or point the setting at another export directory"
+    return (
+        f"train heads first (`python -m train +experiment=NAME export.dir={directory}`) or point the setting at an "
+        "export directory"
+    )
+
+
 def read_heads_config(directory: str | Path) -> dict:
     """The config embedded in an export (the authoritative copy, written with the weights)."""
     path = Path(directory) / HEADS_FILE
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no exported heads at {path}; train them first (`python -m train +experiment=ssd_digits`) "
-            "or point decode.heads at an export directory"
-        )
+        raise FileNotFoundError(f"no exported heads at {path}; {training_advice(Path(directory))}")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}

@@ -1,6 +1,7 @@
 """Exported heads round-trip bit-exactly and refuse the wrong backbone."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -69,9 +70,18 @@ def test_truncated_export_is_a_clear_error(tiny_backbone, tmp_path):
         load_heads(tmp_path, tiny_backbone)
 
 
-def test_missing_export_says_how_to_make_one(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m train"):
-        load_heads(tmp_path / "none")
+@pytest.mark.parametrize(
+    "directory, command",
+    [
+        ("ssd_digits", "`python -m train`"),  # the default job
+        ("eagle_digits", "`python -m train +experiment=eagle_digits`"),  # each experiment exports to its own name
+        ("mulo_digits", "`python -m train +experiment=mulo_digits`"),
+        ("my_heads", "`python -m train +experiment=NAME export.dir="),
+    ],
+)
+def test_missing_export_says_how_to_make_that_one(tmp_path, directory, command):
+    with pytest.raises(FileNotFoundError, match=re.escape(command)):
+        load_heads(tmp_path / directory)
 
 
 def test_an_interrupted_export_leaves_the_previous_one_loadable(tiny_backbone, tmp_path, monkeypatch):
