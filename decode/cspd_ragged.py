@@ -35,15 +35,21 @@ generator seeded with the image's seed, its uniforms are `keyed_uniforms(seed, p
 ``gamma`` an image gets the same tokens whatever images share its batch, how many slots there are and when it
 enters, up to float rounding: a batched pass sums in another order than a lone one, so token vectors agree to
 ~1e-6, and a test whose ratio lies within that of its uniform can flip (a near-tie; counted by the tests).
-``gamma`` must be fixed: which positions get the backbone's bonus sample rather than a tested draft depends on
-the rounds' lengths, so a length chosen from measured timings (decode/cspd.py's ``gamma: auto``) would make an
-image's tokens depend on the machine's timings.
+
+Cost-aware rounds (``gamma: auto``, decode/gamma_choice.py as `cspd_auto`): each round's draft count, the same for
+every image that drafts in it, is the one that maximises the expected committed tokens per second, from the
+drafts kept so far and the rounds' wall-clock fitted as a line in their length. Lossless for the reasons above (a
+round's length is fixed before it, from earlier rounds only); but which positions get the backbone's bonus sample
+rather than a tested draft depends on the rounds' lengths, so with ``auto`` an image's tokens depend on the lengths
+chosen (the machine's timings and the images beside it), as `cspd_auto`'s and `eagle_ragged_auto`'s do. With a
+fixed ``gamma`` they do not.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -51,8 +57,9 @@ from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.continuous_ar import check_continuous_sampling
-from decode.cspd import CSpDConfig, DraftRound, check_verification, exact_test
+from decode.cspd import CSpDConfig, DraftRound, check_gamma, check_verification, exact_test
 from decode.drain import drain_finished
+from decode.gamma_choice import GammaChooser
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.rules import first_true, gaussian_acceptance, gaussian_residual_sample
@@ -65,7 +72,10 @@ _TEST, _RESIDUAL = 0, 1  # what a keyed uniform is for
 class RaggedCSpDConfig:
     """CSpD's settings (decode/cspd.py; defaults: the authors' MAR demo) and how many images are decoded at once."""
 
-    gamma: int = 4  # drafts per image and round (fixed: see the module docstring)
+    # drafts per image and round; auto: per round by measured cost (decode/gamma_choice.py; an image's tokens then
+    # depend on the lengths chosen, module docstring)
+    gamma: int | Literal["auto"] = 4
+    max_gamma: int = 8  # gamma auto: the longest round it may choose
     prefill_fraction: float = 0.05  # tokens the backbone samples itself first, per image
     tau: float = 1.0  # 1: exact; the reference's relaxed test widens both Gaussians by tau (not lossless)
     reference_correction: bool = False  # the reference's std-ratio factor (not lossless)
@@ -76,11 +86,7 @@ class RaggedCSpDConfig:
     drain: float = 0.75
 
     def __post_init__(self):
-        if not (isinstance(self.gamma, int) and self.gamma >= 1):
-            raise ValueError(
-                f"cspd_ragged gamma must be an int >= 1, got {self.gamma!r}: a length chosen from timings would "
-                "make an image's tokens depend on them (use cspd's gamma auto for cost-aware rounds)"
-            )
+        check_gamma(self.gamma, self.max_gamma, "cspd_ragged")
         check_verification(self.prefill_fraction, self.tau, "cspd_ragged")
         CSpDConfig(drafter_cfg_scale=self.drafter_cfg_scale)  # the same check of the drafter's guidance
         if self.slots < 0:
@@ -129,7 +135,7 @@ def generate_cspd_ragged(
     seeded with the image's seed). ``forward_passes`` counts the backbone's passes (ragged passes and prefills).
     """
     check_continuous_sampling(sampling)
-    count, total, gamma = condition.batch_size, backbone.geometry.num_tokens, config.gamma
+    count, total = condition.batch_size, backbone.geometry.num_tokens
     slots = min(config.slots or count, count)
     cfg, temperature = sampling.cfg_scale, sampling.temperature
     draft_cfg = cfg if config.drafter_cfg_scale is None else config.drafter_cfg_scale
@@ -138,6 +144,7 @@ def generate_cspd_ragged(
     state, first = backbone.prefill(condition_rows(condition, list(range(slots))), sampling.guided)
     draft_state, _ = drafter.prefill(condition_rows(condition, list(range(slots))), draft_cfg != 1.0)
     device = first.device
+    chooser = GammaChooser(config.max_gamma, device) if config.gamma == "auto" else None
     run = _Slots(backbone, slots, device, first.dtype)
     output = torch.zeros(count, total, backbone.token_dim, device=device, dtype=first.dtype)
     queue = PromptQueue(backbone, condition, range(slots, count), sampling.guided, ahead=slots)
@@ -165,7 +172,12 @@ def generate_cspd_ragged(
         active = run.image >= 0
         done = run.done.clone()
         # Drafts per image this round: none in its pre-fill, none past its end.
-        want = torch.where(active & (done >= prefilled), (total - done).clamp(max=gamma), 0)
+        drafting = active & (done >= prefilled)
+        timed = chooser is not None and bool(drafting.any())  # a round without drafts tells the chooser nothing
+        gamma = config.gamma if chooser is None else (chooser.choose() if timed else 1)
+        if timed:
+            chooser.start_round()
+        want = torch.where(drafting, (total - done).clamp(max=gamma), 0)
         width = int(want.max())
         drafts = _draft(drafter, draft_state, run, active, width, draft_cfg, temperature) if width else None
         # One ragged pass over [last committed; drafts]: out[:, j] conditions position done + j.
@@ -210,6 +222,8 @@ def generate_cspd_ragged(
         whole = torch.nonzero(active & (cut == want) & (done + want < total))[:, 0]
         run.tokens[whole, done[whole] + want[whole]] = target.tokens[whole, want[whole]]
         run.done = torch.where(active, (done + cut + 1).clamp(max=total), run.done)
+        if timed:  # reached: each drafting image's drafts up to its first rejection
+            chooser.end_round(gamma, int(torch.minimum(cut + 1, want)[drafting].sum()), int(cut[drafting].sum()))
         # Images that are done: written out, their slots to the next of the queue.
         finished = torch.nonzero(active & (run.done >= total))[:, 0]
         if len(finished):

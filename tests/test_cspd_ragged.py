@@ -130,13 +130,13 @@ def test_a_draining_cspd_batch_changes_no_token_and_no_pass():
     assert drained.forward_passes == kept.forward_passes
 
 
-def ragged_exactness(drafter, slots: int, images: int) -> tuple[float, float]:
+def ragged_exactness(drafter, slots: int, images: int, **settings) -> tuple[float, float]:
     """KS p-value of the standardized tokens (test_decode_cspd.standardized_tokens) of `images` class-2 images over
     `slots` slots against N(0, 1), and the draft acceptance."""
     backbone = tiny_continuous()
     class_ids = torch.full((images,), 2)
     noise = backbone.draw_noise(images, 16, torch.Generator().manual_seed(100))
-    result = _cspd(backbone, drafter, Condition(class_ids=class_ids), noise=noise, seed=3, slots=slots)
+    result = _cspd(backbone, drafter, Condition(class_ids=class_ids), noise=noise, seed=3, slots=slots, **settings)
     standardized = standardized_tokens(backbone, result.tokens, class_ids, noise, SAMPLED)
     return stats.kstest(standardized.numpy(), "norm").pvalue, result.accepted_tokens / result.drafted_tokens
 
@@ -164,11 +164,33 @@ def test_the_ragged_final_step_check_passes_the_unplanted_run_at_the_same_size()
     assert 0.1 < acceptance < 0.9 and p_value > 1e-3, (p_value, acceptance)
 
 
+def test_cost_aware_rounds_keep_the_final_step_gaussians_and_report_their_lengths():
+    """gamma auto: each round's length is chosen from earlier rounds' timings and acceptance (decode/gamma_choice.py),
+    so it stays lossless: the standardized tokens are N(0, 1) (128 images over 16 slots); the report's mean drafts per
+    image and round lies in 1 .. max_gamma."""
+    drafter = perturbed_drafter(tiny_continuous(), scale=1e-3)
+    p_value, acceptance = ragged_exactness(drafter, slots=16, images=128, gamma="auto", max_gamma=6)
+    assert 0.1 < acceptance < 0.9 and p_value > 1e-3, (p_value, acceptance)
+    result = _cspd(tiny_continuous(), drafter, slots=3, gamma="auto", max_gamma=6)
+    assert 1.0 <= result.extras["window_sum"] / result.extras["window_passes"] <= 6.0
+
+
+def test_the_auto_exactness_check_catches_a_rejected_draft_kept(monkeypatch):
+    """The check above has the power to fail under gamma auto: a rejected draft kept instead of the residual draw."""
+    import decode.cspd_ragged as ragged
+
+    monkeypatch.setattr(ragged, "gaussian_residual_sample", lambda p, q, generator: (q[0], torch.tensor(True)))
+    drafter = perturbed_drafter(tiny_continuous(), scale=1e-3)
+    p_value, _ = ragged_exactness(drafter, slots=16, images=128, gamma="auto", max_gamma=6)
+    assert p_value < 1e-6, p_value
+
+
 @pytest.mark.parametrize(
     "settings, problem",
     [
-        (dict(gamma="auto"), "gamma must be an int"),
-        (dict(gamma=0), "gamma must be an int"),
+        (dict(gamma="fast"), "gamma must be an int >= 1 or 'auto'"),
+        (dict(gamma=0), "gamma must be an int >= 1 or 'auto'"),
+        (dict(gamma="auto", max_gamma=0), "max_gamma >= 1"),
         (dict(slots=-1), "slots >= 0"),
         (dict(drain=1.0), "drain must be in"),
         (dict(tau=0.5), "tau must be"),
