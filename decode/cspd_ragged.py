@@ -222,8 +222,9 @@ def generate_cspd_ragged(
         whole = torch.nonzero(active & (cut == want) & (done + want < total))[:, 0]
         run.tokens[whole, done[whole] + want[whole]] = target.tokens[whole, want[whole]]
         run.done = torch.where(active, (done + cut + 1).clamp(max=total), run.done)
-        if timed:  # reached: each drafting image's drafts up to its first rejection
-            chooser.end_round(gamma, int(torch.minimum(cut + 1, want)[drafting].sum()), int(cut[drafting].sum()))
+        if timed:  # the round's drafted width (below gamma near images' ends), as cspd.py times it; reached: each
+            # drafting image's drafts up to its first rejection
+            chooser.end_round(width, int(torch.minimum(cut + 1, want)[drafting].sum()), int(cut[drafting].sum()))
         # Images that are done: written out, their slots to the next of the queue.
         finished = torch.nonzero(active & (run.done >= total))[:, 0]
         if len(finished):
