@@ -45,14 +45,11 @@ from decode.cli import run_decode, sampling_from_config
 from decode.pass_cost import drafting_costs, pass_costs
 from decode.pass_schedule import projected_speedup, record_schedule
 from decode.registry import check_methods, load_artefacts
+from heads.export import training_advice
 
 COUNTS = [1, 8, 24, 48, 90, 180]
 DIGITS_METHODS = ["ar", "ssd_exact", "ssd_autocorrect", "mulo", "mulo_exact"]
 PROMPT_TOKENS = 64  # a prompt of typical length with its chat template and image header
-TRAIN_COMMAND = {
-    "decode.heads": "python -m train",
-    "decode.drafter": "python -m train +experiment=mulo_digits",
-}
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -205,14 +202,14 @@ def _digits_config(arguments, device: torch.device, out: Path, methods: list[str
 def _available_methods(cfg) -> tuple[list[str], dict]:
     """The chosen presets whose export exists, and for the others why not and the command that makes it."""
     available, missing = [], {}
-    for name in cfg.decode.methods:
-        preset = cfg.decode.presets.get(name)
-        export = None if preset is None else (preset.get("heads") or preset.get("drafter"))
+    for method in check_methods(cfg.decode):
+        export = method.artefact_path
         if export is not None and not (Path(export) / "heads.json").is_file():
-            key = "decode.heads" if preset.get("heads") else "decode.drafter"
-            missing[name] = f"no export at {export}: make it with `{TRAIN_COMMAND[key]}` (or set {key}=DIR)"
+            setting = f"decode.presets.{method.name}.{method.spec.artefact}"
+            advice = training_advice(Path(export), method.spec.artefact_kind, setting=setting)
+            missing[method.name] = f"no export at {export}: {advice}"
             continue
-        available.append(name)
+        available.append(method.name)
     return available, missing
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,14 +36,6 @@ from decode.settings import settings_from
 
 log = logging.getLogger(__name__)
 BASELINE = "ar"
-# What makes each kind of export for the embedded digits backbone (named when an export is missing).
-TRAINING_COMMANDS = {
-    "ssd": "python -m train",
-    "mulo": "python -m train +experiment=mulo_digits",
-    "eagle": "python -m train +experiment=eagle_digits",
-    "cspd": "python -m train +experiment=cspd_digits",
-    "cspd_rows": "python -m train +experiment=cspd_rows_digits",
-}
 
 
 @dataclass
@@ -156,7 +149,7 @@ def check_token_kinds(methods: list[Method], backbone) -> None:
 
 def load_artefacts(methods: list[Method], backbone: ARImageBackbone) -> None:
     """Load each method's export (once per path), checked against the backbone (heads/export.py)."""
-    from heads.export import load_heads
+    from heads.export import load_heads, training_advice
 
     check_token_kinds(methods, backbone)
     device = next(backbone.parameters()).device
@@ -172,12 +165,13 @@ def load_artefacts(methods: list[Method], backbone: ARImageBackbone) -> None:
             except FileNotFoundError:
                 if method.spec.load_artefact is not None:  # its own loader's message says how to get the file
                     raise
-                command = TRAINING_COMMANDS.get(
-                    method.spec.artefact_kind, "python -m train +experiment=<its experiment>"
+                advice = training_advice(
+                    Path(method.artefact_path),
+                    method.spec.artefact_kind,
+                    setting=f"decode.presets.{method.name}.{method.spec.artefact}",
                 )
                 raise FileNotFoundError(
-                    f"decode method {method.name!r} needs the export at {method.artefact_path}, which does not exist; "
-                    f"make it with `{command}` (the digits backbone; for another backbone its own experiment, e.g. "
-                    f"+experiment=ssd_janus) or point decode.presets.{method.name}.{method.spec.artefact} at one"
+                    f"decode method {method.name!r} needs the export at {method.artefact_path}, which does not "
+                    f"exist; {advice}"
                 ) from None
         method.artefact = loaded[key]

@@ -73,24 +73,50 @@ def export_heads(heads: nn.Module, directory: str | Path, backbone_identity: dic
     return directory
 
 
-def training_advice(directory: Path) -> str:
+# The digits experiment that trains each kind of export: named when an export is missing from a directory that is
+# not an experiment's own (each experiment exports to checkpoints/<experiment_name>, conf/config.yaml's export.dir).
+DIGITS_EXPERIMENTS = {
+    "ssd": "ssd_digits",
+    "mulo": "mulo_digits",
+    "eagle": "eagle_digits",
+    "cspd": "cspd_digits",
+    "cspd_rows": "cspd_rows_digits",
+}
+
+
+def training_command(experiment: str) -> str:
+    """The command that runs `experiment` (the default job, ssd_digits, needs no +experiment)."""
+    return "python -m train" if experiment == "ssd_digits" else f"python -m train +experiment={experiment}"
+
+
+def training_advice(directory: Path, kind: str | None = None, setting: str = "the setting") -> str:
     """How to make the export `directory` should hold: the experiment of the same name (a training exports to
-    checkpoints/<experiment_name>), else any training pointed at it."""
+    checkpoints/<experiment_name>); else, for a known `kind`, the digits experiment that trains it, told to export
+    there; else any training pointed at it. `setting`: what the user can point at another export instead."""
     experiment = directory.name
     if (PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").is_file():
-        command = "python -m train" if experiment == "ssd_digits" else f"python -m train +experiment={experiment}"
-        return f"train it first (`{command}`, which exports there) or point the setting at another export directory"
+        return (
+            f"train it first (`{training_command(experiment)}`, which exports there) or point {setting} at another "
+            "export directory"
+        )
+    if kind in DIGITS_EXPERIMENTS:
+        return (
+            f"train it first (`{training_command(DIGITS_EXPERIMENTS[kind])} export.dir={directory}` for the digits "
+            f"backbone; for another backbone, its own experiment with the same export.dir) "
+            f"or point {setting} at an export directory"
+        )
     return (
-        f"train heads first (`python -m train +experiment=NAME export.dir={directory}`) or point the setting at an "
+        f"train heads first (`python -m train +experiment=NAME export.dir={directory}`) or point {setting} at an "
         "export directory"
     )
 
 
-def read_heads_config(directory: str | Path) -> dict:
-    """The config embedded in an export (the authoritative copy, written with the weights)."""
+def read_heads_config(directory: str | Path, kind: str | None = None) -> dict:
+    """The config embedded in an export (the authoritative copy, written with the weights). `kind`: the kind of
+    export expected there, for the advice when there is none."""
     path = Path(directory) / HEADS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no exported heads at {path}; {training_advice(Path(directory))}")
+        raise FileNotFoundError(f"no exported heads at {path}; {training_advice(Path(directory), kind)}")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -135,7 +161,7 @@ def load_heads(
     backbone's grid, r, codebook and conditioning (``head`` in heads.json) and is bound to `backbone`.
     """
     directory = Path(directory)
-    config = read_heads_config(directory)
+    config = read_heads_config(directory, kind)
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{directory} has head format {config.get('format_version')}, this code reads {FORMAT_VERSION}"

@@ -71,17 +71,20 @@ def test_truncated_export_is_a_clear_error(tiny_backbone, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "directory, command",
+    "directory, kind, command",
     [
-        ("ssd_digits", "`python -m train`"),  # the default job
-        ("eagle_digits", "`python -m train +experiment=eagle_digits`"),  # each experiment exports to its own name
-        ("mulo_digits", "`python -m train +experiment=mulo_digits`"),
-        ("my_heads", "`python -m train +experiment=NAME export.dir="),
+        ("ssd_digits", None, "`python -m train`"),  # the default job
+        ("eagle_digits", None, "`python -m train +experiment=eagle_digits`"),  # each experiment exports to its name
+        ("mulo_digits", "mulo", "`python -m train +experiment=mulo_digits`"),
+        ("my_heads", None, "`python -m train +experiment=NAME export.dir="),
+        # A directory of the user's own naming, for a known kind: the digits experiment of that kind, exporting there.
+        ("my_heads", "eagle", "`python -m train +experiment=eagle_digits export.dir="),
+        ("my_heads", "ssd", "`python -m train export.dir="),
     ],
 )
-def test_missing_export_says_how_to_make_that_one(tmp_path, directory, command):
+def test_missing_export_says_how_to_make_that_one(tmp_path, directory, kind, command):
     with pytest.raises(FileNotFoundError, match=re.escape(command)):
-        load_heads(tmp_path / directory)
+        load_heads(tmp_path / directory, kind=kind)
 
 
 def test_an_interrupted_export_leaves_the_previous_one_loadable(tiny_backbone, tmp_path, monkeypatch):
