@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -89,6 +90,7 @@ def sample_tokens(
 
 
 _MASK32 = 0xFFFFFFFF
+_MURMUR_1, _MURMUR_2, _GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +98,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     their low 32 bits)."""
     x = x & _MASK32
     x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
+    x = (x * _MURMUR_1) & _MASK32
     x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
+    x = (x * _MURMUR_2) & _MASK32
     return x ^ (x >> 16)
+
+
+def _mix32_uint32(x: np.ndarray) -> np.ndarray:
+    """`_mix32` on uint32 arrays, whose products wrap by themselves."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(_MURMUR_1)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(_MURMUR_2)
+    return x ^ (x >> np.uint32(16))
 
 
 def keyed_uniforms(seeds: torch.Tensor, *keys: torch.Tensor | int) -> torch.Tensor:
@@ -108,13 +119,40 @@ def keyed_uniforms(seeds: torch.Tensor, *keys: torch.Tensor | int) -> torch.Tens
     A generator whose images share a batch draws each image's uniforms by its own seed and the event's keys
     (grid position, attempt, kind), not from one stream in batch order: an image then draws the same numbers
     whichever images share its batch and in which order they finish (continuous batching). 24 bits of a
-    hash chain (MurmurHash3's finaliser, combined as boost's hash_combine).
+    hash chain (MurmurHash3's finaliser, combined as boost's hash_combine) of the values' low 32 bits.
+
+    On the CPU the chain runs in NumPy's uint32 arithmetic (a ragged generator calls this a few times per pass,
+    and each of the torch path's ~100 small kernels costs more than its arithmetic); elsewhere in torch's int64
+    with masks. Both give the same bits (tests/test_keyed_uniforms.py).
     """
+    on_cpu = seeds.device.type == "cpu" and all(
+        not isinstance(key, torch.Tensor) or key.device.type == "cpu" for key in keys
+    )
+    if on_cpu:
+        return _keyed_uniforms_uint32(seeds, keys)
     h = _mix32(seeds.long())
     for key in keys:
         key = torch.as_tensor(key, dtype=torch.long, device=h.device)
-        h = _mix32(h ^ (_mix32(key) + 0x9E3779B9 + (h << 6) + (h >> 2)))
+        h = _mix32(h ^ (_mix32(key) + _GOLDEN + (h << 6) + (h >> 2)))
     return (h >> 8).float() * (1.0 / (1 << 24))
+
+
+def _keyed_uniforms_uint32(seeds: torch.Tensor, keys) -> torch.Tensor:
+    """`keyed_uniforms`' chain on CPU tensors in uint32 arithmetic: casting int64 to uint32 keeps the low 32 bits,
+    as the torch path's masks do, and sums and shifts wrap where that path masks them."""
+
+    def low_bits(value) -> np.ndarray:
+        array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value, dtype=np.int64)
+        return array.astype(np.int64, copy=False).astype(np.uint32)
+
+    with np.errstate(over="ignore"):  # 0-d arrays compute as NumPy scalars, which warn where they wrap
+        h = _mix32_uint32(low_bits(seeds))
+        for key in keys:
+            h = _mix32_uint32(
+                h ^ (_mix32_uint32(low_bits(key)) + np.uint32(_GOLDEN) + (h << np.uint32(6)) + (h >> np.uint32(2)))
+            )
+        uniforms = (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / (1 << 24))
+    return torch.from_numpy(np.asarray(uniforms))
 
 
 def image_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
