@@ -81,10 +81,14 @@ class CSpDConfig:
 
     def __post_init__(self):
         check_gamma(self.gamma, self.max_gamma, "cspd")
-        scale = self.drafter_cfg_scale
-        if scale is not None and not (math.isfinite(scale) and scale >= 0):
-            raise ValueError(f"cspd drafter_cfg_scale must be a finite number >= 0 or null, got {scale}")
+        check_drafter_cfg_scale(self.drafter_cfg_scale, "cspd")
         check_verification(self.prefill_fraction, self.tau, "cspd")
+
+
+def check_drafter_cfg_scale(scale: float | None, method: str) -> None:
+    """The drafter's own guidance: a finite number >= 0, or None (what its export says)."""
+    if scale is not None and not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"{method} drafter_cfg_scale must be a finite number >= 0 or null, got {scale}")
 
 
 def check_gamma(gamma, max_gamma: int, method: str) -> None:
@@ -96,6 +100,18 @@ def check_gamma(gamma, max_gamma: int, method: str) -> None:
 def exact_test(settings) -> bool:
     """Whether CSpD settings verify exactly (lossless): tau 1 and no reference correction."""
     return settings.tau == 1.0 and not settings.reference_correction
+
+
+def check_last_step_drawn(exact: bool, method: str, *models) -> None:
+    """Exact CSpD tests each token against the last reverse step's Gaussians of the drafter and the target: a
+    model whose last step returns its mean (`DiffusionHeadConfig.final_step_noise` off, MAR's own default) gives
+    a token no density there, and the test would not be lossless. Refuse it by name."""
+    if exact and not all(model.diffusion.config.final_step_noise for model in models):
+        raise ValueError(
+            f"exact {method} needs diffusion heads whose last reverse step adds its noise (else a token has no "
+            "density): build the backbone and the drafter with DiffusionHeadConfig(final_step_noise=True), or "
+            "verify with the relaxed test (tau > 1, e.g. the cspd_relaxed preset; not lossless)"
+        )
 
 
 def check_verification(prefill_fraction: float, tau: float, method: str) -> None:
@@ -166,6 +182,7 @@ def generate_cspd(
     `noise` (B, N, noise_steps, token_dim) replays given trajectory noise (drawn from `generator` by default);
     with the same noise and a drafter equal to the backbone every draft is accepted.
     """
+    check_last_step_drawn(exact_test(settings), "cspd", backbone, drafter)
     draft_cfg = sampling.cfg_scale if settings.drafter_cfg_scale is None else settings.drafter_cfg_scale
     draft_state, _ = drafter.prefill(condition, draft_cfg != 1.0)
     own_noise = None

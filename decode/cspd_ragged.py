@@ -57,7 +57,14 @@ from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
 from decode.conditions import PromptQueue, condition_rows, refill_slots
 from decode.continuous_ar import check_continuous_sampling
-from decode.cspd import CSpDConfig, DraftRound, check_gamma, check_verification, exact_test
+from decode.cspd import (
+    DraftRound,
+    check_drafter_cfg_scale,
+    check_gamma,
+    check_last_step_drawn,
+    check_verification,
+    exact_test,
+)
 from decode.drain import drain_finished
 from decode.gamma_choice import GammaChooser
 from decode.method import MethodSpec
@@ -88,7 +95,7 @@ class RaggedCSpDConfig:
     def __post_init__(self):
         check_gamma(self.gamma, self.max_gamma, "cspd_ragged")
         check_verification(self.prefill_fraction, self.tau, "cspd_ragged")
-        CSpDConfig(drafter_cfg_scale=self.drafter_cfg_scale)  # the same check of the drafter's guidance
+        check_drafter_cfg_scale(self.drafter_cfg_scale, "cspd_ragged")
         if self.slots < 0:
             raise ValueError(f"cspd_ragged needs slots >= 0 (0: all the conditions), got {self.slots}")
         if not 0 <= self.drain < 1:
@@ -135,6 +142,7 @@ def generate_cspd_ragged(
     seeded with the image's seed). ``forward_passes`` counts the backbone's passes (ragged passes and prefills).
     """
     check_continuous_sampling(sampling)
+    check_last_step_drawn(exact_test(config), "cspd_ragged", backbone, drafter)
     count, total = condition.batch_size, backbone.geometry.num_tokens
     slots = min(config.slots or count, count)
     cfg, temperature = sampling.cfg_scale, sampling.temperature

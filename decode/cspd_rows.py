@@ -31,7 +31,7 @@ import torch
 
 from backbones.base import Condition
 from backbones.continuous import ContinuousARBackbone
-from decode.cspd import DraftRound, Speculation, check_verification, speculate
+from decode.cspd import DraftRound, Speculation, check_last_step_drawn, check_verification, speculate
 from decode.method import MethodSpec
 from decode.result import GenerationResult
 from decode.sampling import SamplingConfig
@@ -59,6 +59,7 @@ def generate_cspd_rows(
     noise: torch.Tensor | None = None,
 ) -> GenerationResult:
     """Generate one image per condition, each row after the first drafted by `heads` and verified (module doc)."""
+    check_last_step_drawn(settings.tau == 1.0, "cspd_rows", backbone)
     cols = backbone.geometry.cols
 
     def draft(run: Speculation, pending: int) -> DraftRound:

@@ -69,7 +69,13 @@ import torch
 
 from backbones.base import ARImageBackbone, Condition, DecodeState
 from decode.method import MethodSpec
-from decode.mulo_resampling import block_proposals, downsample_to_drafter, resampling_latents, upsample_block
+from decode.mulo_resampling import (
+    UPSAMPLE_MODES,
+    block_proposals,
+    downsample_to_drafter,
+    resampling_latents,
+    upsample_block,
+)
 from decode.passes import verification_pass, write_block_states
 from decode.result import GenerationResult
 from decode.rules import (
@@ -108,6 +114,10 @@ class MuLoDecodeConfig:
             raise ValueError(f"MuLo mode must be 'relaxed' or 'exact', got {self.mode!r}")
         if self.proposal not in ("drafter", "point"):
             raise ValueError(f"MuLo proposal must be 'drafter' or 'point', got {self.proposal!r}")
+        if self.upsample_mode not in UPSAMPLE_MODES:
+            raise ValueError(
+                f"MuLo upsample_mode must be one of {', '.join(UPSAMPLE_MODES)}, got {self.upsample_mode!r}"
+            )
         if self.drafter_cfg_scale < 0:
             raise ValueError(f"MuLo drafter_cfg_scale must be >= 0, got {self.drafter_cfg_scale}")
         if self.delta > 1:  # a probability budget: above 1 every draft passes

@@ -58,6 +58,11 @@ def nearest_codebook_entry(grid: torch.Tensor, codebook: torch.Tensor, chunk: in
     return ids.view(batch, height, width)
 
 
+# The interpolations U_r takes (torch.nn.functional.interpolate's modes for images that accept align_corners, and
+# nearest, which repeats each token).
+UPSAMPLE_MODES = ("nearest", "bilinear", "bicubic")
+
+
 def upsample_latents(tokens: torch.Tensor, codebook: torch.Tensor, scale: int, mode: str = "nearest") -> torch.Tensor:
     """Low-res ids (B, h, w) -> (B, h*r, w*r) through codebook latents; nearest mode repeats each id r x r times."""
     if mode == "nearest":

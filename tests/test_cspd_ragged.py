@@ -4,6 +4,8 @@ are caught, draining changes nothing, and the tokens are the backbone's final-st
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import test_decode_cspd
@@ -195,11 +197,25 @@ def test_the_auto_exactness_check_catches_a_rejected_draft_kept(monkeypatch):
         (dict(drain=1.0), "drain must be in"),
         (dict(tau=0.5), "tau must be"),
         (dict(prefill_fraction=1.0), "prefill_fraction"),
+        (dict(drafter_cfg_scale=-1.0), "cspd_ragged drafter_cfg_scale"),
     ],
 )
 def test_bad_ragged_cspd_settings_name_the_problem(settings, problem):
     with pytest.raises(ValueError, match=problem):
         RaggedCSpDConfig(**settings)
+
+
+def test_exact_ragged_cspd_refuses_a_model_whose_last_step_is_its_mean():
+    """The exact test reads the last reverse step's Gaussian density: a drafter (or backbone) whose last step
+    returns its mean has none there. The relaxed test (not lossless) may still run."""
+    backbone, drafter = tiny_continuous(), perturbed_drafter(tiny_continuous(), 0.1)
+    drafter.diffusion.config = replace(drafter.diffusion.config, final_step_noise=False)
+    with pytest.raises(ValueError, match="final_step_noise=True"):
+        _cspd(backbone, drafter, gamma=2, slots=2)
+    backbone.diffusion.config = replace(backbone.diffusion.config, final_step_noise=False)  # the same steps
+    with pytest.raises(ValueError, match="final_step_noise=True"):
+        _cspd(backbone, drafter, gamma=2, slots=2)
+    assert _cspd(backbone, drafter, gamma=2, slots=2, tau=42.0).tokens.shape[0] == QUEUE.batch_size
 
 
 def test_a_family_without_a_ragged_pass_says_which_method_to_use():

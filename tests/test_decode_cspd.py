@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -318,6 +319,22 @@ def test_settings_are_checked():
     backbone = tiny_continuous()
     with pytest.raises(ValueError, match="diffusion head"):
         generate_continuous_ar(backbone, Condition(class_ids=torch.tensor([1])), SamplingConfig(greedy=True))
+
+
+def test_exact_cspd_refuses_models_whose_last_step_is_their_mean():
+    """The exact test compares the last reverse step's Gaussians (MAR's own heads return that step's mean, which
+    has no density): refused by name for the drafter, the backbone or both; the relaxed test (tau > 1) runs."""
+    condition, sampling = Condition(class_ids=torch.tensor([1, 4])), SamplingConfig(cfg_scale=3.0)
+    for which in (("drafter",), ("backbone",), ("drafter", "backbone")):
+        backbone, drafter = tiny_continuous(), perturbed_drafter(tiny_continuous(), 0.1)
+        for model in [drafter] * ("drafter" in which) + [backbone] * ("backbone" in which):
+            model.diffusion.config = dataclasses.replace(model.diffusion.config, final_step_noise=False)
+        with pytest.raises(ValueError, match="final_step_noise=True"):
+            generate_cspd(backbone, drafter, condition, sampling, torch.Generator().manual_seed(0), CSpDConfig())
+    relaxed = generate_cspd(  # both without the last step's noise: the trajectories have the same steps
+        backbone, drafter, condition, sampling, torch.Generator().manual_seed(0), CSpDConfig(tau=42.0)
+    )
+    assert relaxed.tokens.shape[0] == 2
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,7 @@ def test_the_ragged_mulo_distribution_test_catches_a_residual_without_the_draft(
         (dict(window=-1), "window >= 0"),
         (dict(drain=1.0), "drain must be in"),
         (dict(drafter_cfg_scale=-1.0), "drafter_cfg_scale"),
+        (dict(upsample_mode="cubic"), "upsample_mode must be one of nearest, bilinear, bicubic"),
     ],
 )
 def test_bad_ragged_mulo_settings_name_the_problem(settings, problem):
