@@ -156,5 +156,12 @@ def _keyed_uniforms_uint32(seeds: torch.Tensor, keys) -> torch.Tensor:
 
 
 def image_seeds(count: int, generator: torch.Generator | None) -> torch.Tensor:
-    """One seed per image of a queue, drawn from `generator` in the queue's order (for `keyed_uniforms`)."""
-    return torch.randint(0, 2**31 - 1, (count,), generator=generator, device=generator.device if generator else None)
+    """One seed per image of a queue (for `keyed_uniforms`): a base drawn from `generator` plus the image's index
+    in the queue's order.
+
+    Distinct within a queue (below 2**32 images), so no two images share their draws: seeds drawn independently
+    from 31 bits would collide in a 50,000-image queue with probability ~0.44, and such a pair would share every
+    uniform (the same image where the prompt is the same). The hash chain spreads neighbouring seeds apart."""
+    device = generator.device if generator is not None else None
+    base = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device)
+    return base + torch.arange(count, device=device)

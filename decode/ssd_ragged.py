@@ -31,7 +31,8 @@ change only after a correction (a window that stops a pass early leaves the draf
 the next pass tests them with the same uniforms), so an image gets the same tokens whatever images share its
 batch, how many slots there are, when it enters and which windows the passes use (bit-identical where the
 backbone's batched pass is: float32 results can depend on the batch's shape by rounding, which flips a token
-only at a near-tie). The image seeds are drawn from the generator, one per condition, in the queue's order.
+only at a near-tie). The image seeds are a base drawn from the generator plus each condition's index in the queue
+(`decode.sampling.image_seeds`: distinct within a queue).
 
 Lookahead (``lookahead``, exact mode): decode/ssd.py's lookahead for ragged frontiers. A pass whose window
 reaches an image's row end goes on into the next row's drafts (up to the window; window 0: to that row's end), so
