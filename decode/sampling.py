@@ -128,8 +128,11 @@ def keyed_uniforms(seeds: torch.Tensor, *keys: torch.Tensor | int) -> torch.Tens
     on_cpu = seeds.device.type == "cpu" and all(
         not isinstance(key, torch.Tensor) or key.device.type == "cpu" for key in keys
     )
-    if on_cpu:
-        return _keyed_uniforms_uint32(seeds, keys)
+    return _keyed_uniforms_uint32(seeds, keys) if on_cpu else _keyed_uniforms_int64(seeds, keys)
+
+
+def _keyed_uniforms_int64(seeds: torch.Tensor, keys) -> torch.Tensor:
+    """`keyed_uniforms`' chain in torch's int64 arithmetic, masked to 32 bits (any device)."""
     h = _mix32(seeds.long())
     for key in keys:
         key = torch.as_tensor(key, dtype=torch.long, device=h.device)

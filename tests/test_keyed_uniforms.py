@@ -10,12 +10,8 @@ from decode.sampling import image_seeds, keyed_uniforms
 
 
 def _torch_path(seeds, *keys):
-    """The int64 path, as a CUDA tensor takes it."""
-    h = sampling._mix32(seeds.long())
-    for key in keys:
-        key = torch.as_tensor(key, dtype=torch.long)
-        h = sampling._mix32(h ^ (sampling._mix32(key) + sampling._GOLDEN + (h << 6) + (h >> 2)))
-    return (h >> 8).float() * (1.0 / (1 << 24))
+    """The int64 path, as a CUDA tensor takes it (here on CPU tensors)."""
+    return sampling._keyed_uniforms_int64(seeds, keys)
 
 
 @pytest.mark.parametrize("trial", range(20))
