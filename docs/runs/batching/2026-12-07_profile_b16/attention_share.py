@@ -8,25 +8,17 @@ slot). Window 8, the main job's heads, 64 slots over 128 and 64 images, 16 slots
 import dataclasses
 
 import torch
-from omegaconf import OmegaConf
+from ssd_ragged_setup import ssd_ragged_setup
 
 import decode.ssd_ragged as ragged
 from backbones.base import Condition
-from backbones.digits import DigitsBackbone
-from decode.sampling import SamplingConfig
-from heads.export import load_heads
 
 torch.set_num_threads(2)
-backbone = DigitsBackbone.from_pretrained("checkpoints/digits-backbone").eval()
-heads = load_heads("checkpoints/ssd_digits", backbone)
-sampling = SamplingConfig(cfg_scale=3.0)
-preset = OmegaConf.load("conf/method/ssd_ragged.yaml")
-fields = ragged.RaggedSSDConfig.__dataclass_fields__
+backbone, heads, sampling, preset = ssd_ragged_setup()
 original_pass = ragged._ragged_pass
 
 for slots, count in ((64, 128), (64, 64), (16, 64)):
-    settings = {k: preset[k] for k in preset if k in fields}
-    config = dataclasses.replace(ragged.RaggedSSDConfig(**settings), slots=slots, window=8)
+    config = dataclasses.replace(preset, slots=slots, window=8)
     work = dict(own=0.0, done=0.0)
 
     def measured_pass(backbone, state, run, *rest, work=work):

@@ -6,27 +6,18 @@ beside ar on the same queue; and the share of the ragged passes' token slots tha
 """
 
 import cProfile
-import dataclasses
 import pstats
 import time
 
 import torch
-from omegaconf import OmegaConf
+from ssd_ragged_setup import ssd_ragged_setup
 
 import decode.ssd_ragged as ragged
 from backbones.base import Condition
-from backbones.digits import DigitsBackbone
 from decode.ar import generate_ar
-from decode.sampling import SamplingConfig
-from heads.export import load_heads
 
 torch.set_num_threads(2)
-backbone = DigitsBackbone.from_pretrained("checkpoints/digits-backbone").eval()
-heads = load_heads("checkpoints/ssd_digits", backbone)
-sampling = SamplingConfig(cfg_scale=3.0)
-preset = OmegaConf.load("conf/method/ssd_ragged.yaml")
-fields = ragged.RaggedSSDConfig.__dataclass_fields__
-config = dataclasses.replace(ragged.RaggedSSDConfig(**{k: preset[k] for k in preset if k in fields}), slots=16)
+backbone, heads, sampling, config = ssd_ragged_setup(slots=16)
 queue = Condition(class_ids=torch.arange(32) % 10)
 
 ragged.generate_ssd_ragged(backbone, heads, queue, sampling, torch.Generator().manual_seed(1), config)  # warm-up
