@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from backbones.digits_continuous import random_continuous_digits_backbone
 from common.paths import PROJECT_ROOT, register_config_resolvers
 
 register_config_resolvers()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist runs a worker per core (pyproject.toml's addopts):
+    torch.set_num_threads(1)  # one thread each, or the workers' thread pools fight over the same cores
 CONF_DIR = PROJECT_ROOT / "conf"
 COMMITTED_BACKBONE = PROJECT_ROOT / "checkpoints" / "digits-backbone"
 
