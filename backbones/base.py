@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from backbones.kv_cache import keep_rows, keep_slots, preallocated_cache, ragged_slots, reserve, writing_at
+from backbones.ragged_attention import own_keys, use_own_keys_attention
 
 
 @dataclass(frozen=True)
@@ -369,13 +370,18 @@ class ContinuousBatching:
         at consecutive cache slots from its (flat) image position ``starts[b]``, each input seeing its row's slots
         up to its own; ``forward(inputs, slots, visible, positions)`` runs inside `writing_at`, with both twins'
         rows under guidance. Attention reads up to the furthest slot fed, not the whole buffer (a pass early in
-        the image costs what `step` costs there, not what the end would)."""
+        the image costs what `step` costs there, not what the end would), and each group of rows only up to its own
+        furthest slot (backbones/ragged_attention.py: an image that just entered its slot does not read up to its
+        neighbour's end)."""
         capacity = self.cache_capacity(state.prefix_length)
         slots, attend, visible = ragged_slots(state.cache, state.prefix_length + starts, inputs.shape[1], capacity)
         positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
         if state.guided:
             inputs, slots, visible, positions = (torch.cat([x, x]) for x in (inputs, slots, visible, positions))
-        with writing_at(state.cache, slots, attend):
+        if not getattr(self, "_attends_own_keys", False):
+            use_own_keys_attention(self)
+            self._attends_own_keys = True
+        with writing_at(state.cache, slots, attend), own_keys((slots[:, -1] + 1).tolist(), slots.shape[1]):
             return forward(inputs, slots, visible, positions)
 
     def replace_images(

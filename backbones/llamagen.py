@@ -43,6 +43,7 @@ from backbones.base import ARImageBackbone, Condition, DecodeState, ImageGeometr
 from backbones.conv_autoencoder import AttnBlock, ResBlock, Upsample, group_norm, run_level, swish
 from backbones.hf_loading import load_torch_checkpoint
 from backbones.kv_cache import PreallocatedLayer
+from backbones.ragged_attention import attention
 
 RELEASES = "https://huggingface.co/FoundationVision/LlamaGen"
 VQ_FILE = "vq_ds16_c2i.pt"
@@ -218,7 +219,7 @@ class Attention(nn.Module):
             total = k.shape[2]
             query_pos = torch.arange(past, past + length, device=x.device)
             mask = torch.arange(total, device=x.device)[None, :] <= query_pos[:, None]  # (T, past + T)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attention(q, k, v, mask)  # in a ragged pass, each row group over its own keys
         return self.wo(out.transpose(1, 2).reshape(batch, length, c.dim))
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny_adapters import ADAPTERS
 
+from backbones import ragged_attention
 from backbones.base import Condition
 
 
@@ -33,9 +34,23 @@ def _alone(backbone, condition: Condition, image: int, tokens: torch.Tensor, gui
 
 
 @pytest.mark.filterwarnings("ignore:.*no codebook latents")
+@pytest.mark.parametrize("attention", ["one call", "row by row"])
 @pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize("family", ["digits", *sorted(ADAPTERS)])
-def test_a_ragged_pass_gives_each_image_its_own_states(family, guided, tiny_backbone):
+def test_a_ragged_pass_gives_each_image_its_own_states(family, guided, attention, tiny_backbone, monkeypatch):
+    """Attention in one call over every row, or (backbones/ragged_attention.py) in groups of rows over their own
+    keys: with no cost to a call, every row whose end differs from its neighbour's is a group of its own."""
+    groups_seen = []
+    if attention == "row by row":
+        monkeypatch.setattr(ragged_attention, "call_overhead_keys", lambda queries: 0.0)
+        choose = ragged_attention.row_groups
+        monkeypatch.setattr(
+            ragged_attention, "row_groups", lambda *a: groups_seen.append(choose(*a)) or groups_seen[-1]
+        )
+    else:
+        monkeypatch.setattr(
+            ragged_attention, "row_groups", lambda row_ends, queries: [(0, len(row_ends), max(row_ends))]
+        )
     backbone, condition = _four_images_of(family, tiny_backbone)
     n = backbone.geometry.num_tokens
     generator = torch.Generator().manual_seed(3)
@@ -63,6 +78,8 @@ def test_a_ragged_pass_gives_each_image_its_own_states(family, guided, tiny_back
         fed = min(width, n - start)
         alone = _alone(backbone, condition, b, image_tokens[b : b + 1, : start + fed], guided)
         torch.testing.assert_close(out[b, :fed], alone[0, start + 1 : start + 1 + fed], atol=2e-4, rtol=1e-4)
+    if attention == "row by row":  # each pass ran in groups, and the second pass's four ends all differ
+        assert groups_seen and len(groups_seen[-1]) >= 4
 
 
 def test_replace_images_starts_an_image_over_inside_the_batch(tiny_backbone):
