@@ -22,9 +22,9 @@ call. Families that write their own attention (LlamaGen) call `attention` instea
 `torch.nn.functional.scaled_dot_product_attention`.
 
 Measured (docs/runs/batching/2026-12-07_own_keys): every ragged pass of an ssd_ragged queue, run both ways on the same
-inputs, takes 5.9% less time at 16 slots (64 images), 4.6% at 64 slots (128 images) and the same at 4. About 6
-calls per layer read 79% of the keys one call reads, where each row's own keys would be 63%: slots are filled in
-queue order, so rows of like length are rarely neighbours.
+inputs, takes 4.5-5.9% less time at 16 slots (64 images), 4.6-5.7% at 64 slots (128 images) and the same at 4 (two
+runs). About 6 calls per layer read 79% of the keys one call reads, where each row's own keys would be 63%: slots
+are filled in queue order, so rows of like length are rarely neighbours.
 """
 
 from __future__ import annotations
