@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from backbones.kv_cache import keep_rows, keep_slots, preallocated_cache, ragged_slots, reserve, writing_at
-from backbones.ragged_attention import own_keys, use_own_keys_attention
+from backbones.ragged_attention import attending_own_keys
 
 
 @dataclass(frozen=True)
@@ -378,10 +378,7 @@ class ContinuousBatching:
         positions = slots.clamp(max=capacity - 1)  # padding past the image's end: any position, never seen
         if state.guided:
             inputs, slots, visible, positions = (torch.cat([x, x]) for x in (inputs, slots, visible, positions))
-        if not getattr(self, "_attends_own_keys", False):
-            use_own_keys_attention(self)
-            self._attends_own_keys = True
-        with writing_at(state.cache, slots, attend), own_keys((slots[:, -1] + 1).tolist(), slots.shape[1]):
+        with writing_at(state.cache, slots, attend), attending_own_keys(self, slots):
             return forward(inputs, slots, visible, positions)
 
     def replace_images(

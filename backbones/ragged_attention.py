@@ -22,7 +22,7 @@ call. Families that write their own attention (LlamaGen) call `attention` instea
 `torch.nn.functional.scaled_dot_product_attention`.
 
 Measured (docs/runs/batching/2026-12-07_own_keys): every ragged pass of an ssd_ragged queue, run both ways on the same
-inputs, takes 4.5-5.9% less time at 16 slots (64 images), 4.6-5.7% at 64 slots (128 images) and the same at 4 (two
+inputs, takes 4.5-5.9% less time at 16 slots (64 images), 4.6-5.7% at 64 slots (128 images) and the same at 4 (three
 runs). About 6 calls per layer read 79% of the keys one call reads, where each row's own keys would be 63%: slots
 are filled in queue order, so rows of like length are rarely neighbours.
 """
@@ -83,6 +83,17 @@ def own_keys(row_ends: list[int], queries: int) -> Iterator[None]:
         yield
     finally:
         _GROUPS.reset(token)
+
+
+@contextmanager
+def attending_own_keys(model: nn.Module, slots: torch.Tensor) -> Iterator[None]:
+    """`own_keys` for a ragged call of `model` whose row r writes the cache slots ``slots[r]`` (rows, T), ascending;
+    the first such call switches the model to "ragged_sdpa" (`use_own_keys_attention`)."""
+    if not getattr(model, "_attends_own_keys", False):
+        use_own_keys_attention(model)
+        model._attends_own_keys = True
+    with own_keys((slots[:, -1] + 1).tolist(), slots.shape[1]):
+        yield
 
 
 def _active_groups(
