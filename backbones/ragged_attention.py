@@ -88,7 +88,11 @@ def own_keys(row_ends: list[int], queries: int) -> Iterator[None]:
 @contextmanager
 def attending_own_keys(model: nn.Module, slots: torch.Tensor) -> Iterator[None]:
     """`own_keys` for a ragged call of `model` whose row r writes the cache slots ``slots[r]`` (rows, T), ascending;
-    the first such call switches the model to "ragged_sdpa" (`use_own_keys_attention`)."""
+    the first such call switches the model to "ragged_sdpa" (`use_own_keys_attention`). Off the CPU attention stays
+    one call (the call overhead is measured on CPUs only), and no groups are chosen."""
+    if slots.device.type != "cpu":
+        yield
+        return
     if not getattr(model, "_attends_own_keys", False):
         use_own_keys_attention(model)
         model._attends_own_keys = True
@@ -101,7 +105,7 @@ def _active_groups(
 ) -> list[tuple[int, int, int]] | None:
     """The pass's groups, when a ragged pass is in progress for this batch of rows (a mask row by row) and grouping
     reads fewer keys than one call would; None otherwise (a compiled graph never groups: its shapes stay fixed)."""
-    if torch.compiler.is_compiling() or query.device.type != "cpu":  # the call overhead is measured on CPUs only
+    if torch.compiler.is_compiling():
         return None
     active, rows = _GROUPS.get(), query.shape[0]
     if active is None or active[0] != rows or mask is None or mask.dim() != 4 or mask.shape[0] != rows:
