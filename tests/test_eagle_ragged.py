@@ -21,9 +21,9 @@ from decode.sampling import SamplingConfig
 QUEUE = Condition(class_ids=torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
 
 
-def _ragged(backbone, head, condition, sampling, **settings):
+def _ragged(backbone, head, condition, sampling, seed=0, **settings):
     return generate_eagle_ragged(
-        backbone, head, condition, sampling, torch.Generator().manual_seed(0), RaggedEagleConfig(**settings)
+        backbone, head, condition, sampling, torch.Generator().manual_seed(seed), RaggedEagleConfig(**settings)
     )
 
 

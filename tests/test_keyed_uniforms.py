@@ -9,11 +9,6 @@ import decode.sampling as sampling
 from decode.sampling import image_seeds, keyed_uniforms
 
 
-def _torch_path(seeds, *keys):
-    """The int64 path, as a CUDA tensor takes it (here on CPU tensors)."""
-    return sampling._keyed_uniforms_int64(seeds, keys)
-
-
 @pytest.mark.parametrize("trial", range(20))
 def test_cpu_path_gives_the_torch_paths_bits(trial):
     generator = torch.Generator().manual_seed(trial)
@@ -26,12 +21,12 @@ def test_cpu_path_gives_the_torch_paths_bits(trial):
     with torch.inference_mode():  # the generators call it there
         fast = keyed_uniforms(seeds, positions, attempts, 3)
     assert fast.dtype == torch.float32 and fast.shape == (rows, cols)
-    assert torch.equal(fast, _torch_path(seeds, positions, attempts, 3))
+    assert torch.equal(fast, sampling._keyed_uniforms_int64(seeds, (positions, attempts, 3)))
 
 
 def test_scalars_and_broadcasting_keep_their_shapes():
     assert keyed_uniforms(torch.tensor(7), 1, 2).shape == ()
-    assert torch.equal(keyed_uniforms(torch.tensor(7), 1, 2), _torch_path(torch.tensor(7), 1, 2))
+    assert torch.equal(keyed_uniforms(torch.tensor(7), 1, 2), sampling._keyed_uniforms_int64(torch.tensor(7), (1, 2)))
     assert keyed_uniforms(torch.tensor([1, 2, 3])[:, None], torch.arange(5)[None]).shape == (3, 5)
 
 

@@ -24,9 +24,9 @@ from decode.ssd_ragged import RaggedSSDConfig, generate_ssd_ragged
 QUEUE = Condition(class_ids=torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
 
 
-def _ragged(backbone, heads, condition, sampling, **settings):
+def _ragged(backbone, heads, condition, sampling, seed=0, **settings):
     return generate_ssd_ragged(
-        backbone, heads, condition, sampling, torch.Generator().manual_seed(0), RaggedSSDConfig(**settings)
+        backbone, heads, condition, sampling, torch.Generator().manual_seed(seed), RaggedSSDConfig(**settings)
     )
 
 

@@ -20,9 +20,7 @@ from ragged_leaks import PLANTED_LEAKS  # noqa: E402
 from test_decode_cspd import perturbed_drafter  # noqa: E402
 
 from backbones.digits import random_digits_backbone  # noqa: E402
-from decode.eagle_ragged import RaggedEagleConfig, generate_eagle_ragged  # noqa: E402
 from decode.sampling import SamplingConfig  # noqa: E402
-from decode.ssd_ragged import RaggedSSDConfig, generate_ssd_ragged  # noqa: E402
 
 
 class Patches:
@@ -64,14 +62,7 @@ for label, queue in (("ssd10", ssd_tests.QUEUE), ("ssd40", ssd_tests.LEAK_QUEUE)
         label,
         PLANTED_LEAKS,
         lambda seed, slots, queue=queue: (
-            generate_ssd_ragged(
-                digits,
-                grid_heads,
-                queue,
-                cfg3,
-                torch.Generator().manual_seed(seed),
-                RaggedSSDConfig(slots=slots, window=2),
-            ).tokens
+            ssd_tests._ragged(digits, grid_heads, queue, cfg3, seed=seed, slots=slots, window=2).tokens
         ),
         torch.equal,
     )
@@ -89,14 +80,7 @@ detections(
     "eagle",
     PLANTED_LEAKS,
     lambda seed, slots: (
-        generate_eagle_ragged(
-            sharp,
-            head,
-            eagle_tests.QUEUE,
-            cfg3,
-            torch.Generator().manual_seed(seed),
-            RaggedEagleConfig(slots=slots, depth=3),
-        ).tokens
+        eagle_tests._ragged(sharp, head, eagle_tests.QUEUE, cfg3, seed=seed, slots=slots, depth=3).tokens
     ),
     torch.equal,
 )
