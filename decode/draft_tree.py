@@ -161,16 +161,17 @@ def grow_tree(
         # Skipping them leaves the kept tree as it would be, given the same draws for the nodes it keeps, and
         # saves the levels no path can reach.
         bar = _kth_largest(torch.cat(scores[1:]), shape.nodes - 1)
-        best = _stable_top(_above(level_scores, min_score).masked_fill(level_scores <= bar, float("-inf")), shape.beam)
-        if len(best) == 0:
+        above_bar = _above(level_scores, min_score).masked_fill(level_scores <= bar, float("-inf"))
+        best, best_listed = _stable_top(above_bar, shape.beam)
+        if not best_listed:
             break
-        frontier = [first + int(i) for i in best]
+        frontier = [first + i for i in best_listed]
         # A candidate's input state is the one its parent's expansion predicted (candidates are parent-major).
         frontier_states, frontier_tokens = child_states[:, best // k], tokens[-1][:, best]
         frontier_scores = level_scores[best]
     all_scores = torch.cat(scores)
     # The root and the best `nodes - 1` candidates; ties keep pool order, so a parent comes before its child.
-    chosen = [0] + sorted(int(i) + 1 for i in _stable_top(_above(all_scores[1:], min_score), shape.nodes - 1))
+    chosen = [0] + sorted(i + 1 for i in _stable_top(_above(all_scores[1:], min_score), shape.nodes - 1)[1])
     new_index = {old: new for new, old in enumerate(chosen)}
     if any(parents[old] >= 0 and parents[old] not in new_index for old in chosen):
         raise AssertionError("draft tree selection is not ancestor-closed")  # scores only fall along a path
@@ -226,11 +227,12 @@ def _candidates(scores: torch.Tensor, k: int, sampling: SamplingConfig, sampled:
     return tokens, best_left.log(), feature, q
 
 
-def _kth_largest(scores: torch.Tensor, k: int) -> float:
-    """The k-th largest score (-inf while fewer than k are given)."""
+def _kth_largest(scores: torch.Tensor, k: int) -> torch.Tensor | float:
+    """The k-th largest score, as a 0-d tensor (compared on the device: no host read), -inf while fewer than k
+    are given."""
     if k < 1 or len(scores) < k:
         return float("-inf")
-    return float(scores.topk(k).values[-1])
+    return scores.topk(k).values[-1]
 
 
 def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -240,11 +242,14 @@ def _above(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     return scores.masked_fill(scores < threshold, float("-inf"))
 
 
-def _stable_top(values: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` largest finite values, ties in index order."""
-    order = torch.sort(-values, stable=True).indices
-    finite = int(torch.isfinite(values).sum())
-    return order[: min(count, finite)]
+def _stable_top(values: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
+    """Indices of the `count` largest finite values, ties in index order, as a tensor and as a list: one host
+    read (a tree level reads its frontier once; on a GPU each read waits for the device)."""
+    negated, order = torch.sort(-values, stable=True)  # the non-finite values sort last
+    top = order[:count]
+    listed = torch.where(torch.isfinite(negated[:count]), top, -1).tolist()
+    kept = listed.index(-1) if -1 in listed else len(listed)
+    return top[:kept], listed[:kept]
 
 
 @dataclass
@@ -349,7 +354,7 @@ def walk_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | Non
     # Follow each image's accepted children from the root.
     current = torch.zeros(batch, dtype=torch.long, device=device)
     path, walking = [current], torch.ones(batch, dtype=torch.bool, device=device)
-    rejected, accepted_ranks, reached, tested_nodes, tested_accepted = [0] * width, [0] * width, [], [], []
+    reached, tested_nodes, tested_accepted = [], [], []
     ranks = torch.arange(width, device=device)
     for _ in range(max(tree.depths) + 1):
         step = choice[rows, current]
@@ -358,20 +363,20 @@ def walk_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | Non
         hit = tested & (ranks[None] == step[:, None])
         tested_nodes.append(torch.where(tested, kids, -1))
         tested_accepted.append(hit)
-        for rank in range(width):  # counts for the report: how each sibling rank fares
-            accepted_ranks[rank] += int(hit[:, rank].sum())
-            rejected[rank] += int((tested[:, rank] & ~hit[:, rank]).sum())
         moves = walking & (step < width)
         current = torch.where(moves, children[current, step.clamp(max=width - 1)], current)
         path.append(torch.where(moves, current, -1))
         walking = moves
-        if not bool(walking.any()):
+        if not bool(walking.any()):  # the walk's one host read per depth
             break
-        reached.append(int(moves.sum()))
+        reached.append(moves.sum())
     path_nodes = torch.stack(path, 1)
     length = (path_nodes >= 0).sum(1)
     next_token = sample_with(target[rows, current], uniform[rows, current, width])
     nodes, hits = torch.stack(tested_nodes, 1), torch.stack(tested_accepted, 1)  # (B, steps, K)
+    # Counts for the report, read from the device once: how each sibling rank fares, paths reaching each depth.
+    accepted_ranks, rejected = torch.stack([hits.sum((0, 1)), ((nodes >= 0) & ~hits).sum((0, 1))]).tolist()
+    reached = torch.stack(reached).tolist() if reached else []
     image, step_index, rank = torch.nonzero(nodes >= 0, as_tuple=True)
     tested = None
     if tree.features is not None and len(image):

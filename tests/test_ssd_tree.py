@@ -13,7 +13,7 @@ from distribution_check import assert_sampled_from, enumerable_backbone, fit_pva
 
 from backbones.base import Condition
 from decode.ar import generate_ar
-from decode.draft_tree import TreeShape, grow_tree
+from decode.draft_tree import TreeShape, grow_tree, walk_tree
 from decode.sampling import SamplingConfig
 from decode.ssd_tree import SSDTreeConfig, SSDTreeDrafter, generate_ssd_tree
 
@@ -176,6 +176,39 @@ def test_skipping_candidates_that_cannot_make_the_tree_keeps_the_tree_and_saves_
             assert torch.equal(trees["pruned"].parents, trees["reference"].parents)
             assert trees["pruned"].ranks == trees["reference"].ranks
     assert expansions["pruned"] < 0.8 * expansions["reference"], expansions
+
+
+@pytest.mark.parametrize("draws", ["top_k", "sampled"])
+def test_a_tree_level_reads_the_device_once_and_a_walk_once_per_depth(monkeypatch, draws):
+    """On a GPU every host read (`.tolist()`, `.item()`, `int(t)`, `bool(t)`) waits for the device: growing a tree
+    reads its frontier once per level, walking it reads once per depth plus the tree's shape and the counts."""
+    vocabulary, batch = 8, 2
+    table = torch.randn(vocabulary, vocabulary, generator=torch.Generator().manual_seed(3)) * 2
+    shape = TreeShape(nodes=40, depth=12, top_k=3, beam=6, draws=draws)
+    sampling = SamplingConfig(temperature=1.0)
+    levels = []
+
+    def expand(nodes, pool_parents, states, tokens, depth):
+        levels.append(depth)
+        return states, table[tokens]
+
+    reads = [0]
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    generator = torch.Generator().manual_seed(0)
+    tree = grow_tree(torch.arange(batch), torch.zeros(batch, 1, 1), expand, shape, sampling, generator)
+    assert len(levels) >= 4, levels
+    assert reads[0] <= len(levels) + 1, (reads[0], len(levels))  # a read per level and the kept nodes' list
+    reads[0] = 0
+    target = torch.softmax(torch.randn(batch, len(tree.depths), vocabulary, generator=generator), -1)
+    walk_tree(tree, target, generator)
+    assert reads[0] <= max(tree.depths) + 1 + 3, (reads[0], max(tree.depths))
 
 
 # ---- sampled: the backbone's distribution ----------------------------------------------------
