@@ -191,16 +191,20 @@ class SSDTreeDrafter:
         last = cols - 1 - column  # the depth of the nodes at the row's last column
         span = slice(row * cols, frontier + 1)  # the row up to the root: exact states, final tokens (and the root)
         known_states, known_tokens = predicting[:, span], tokens[:, span]
-        # Pool node -> (the state that predicted it (rows, H), its tokens (B,)), for the nodes expanded so far.
-        seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The nodes expanded at each depth up to the row's last column: their input states (rows, n, H) and tokens
+        # (B, n), and pool node -> its column there. A path's states are gathered a depth at a time.
+        level_states: list[torch.Tensor] = []
+        level_tokens: list[torch.Tensor] = []
+        column_of: dict[int, int] = {}
         row_of_path: dict[int, int] = {}  # an expanded node at or past the last column -> its path's row in `prepared`
         prepared = None  # the grid head's prepared rows above, one per path (rows, paths, C, width)
 
         def expand(nodes, pool_parents, states, node_tokens, depth):
             nonlocal prepared
             if depth <= last:
-                for i, node in enumerate(nodes):
-                    seen[node] = (states[:, i], node_tokens[:, i])
+                level_states.append(states)
+                level_tokens.append(node_tokens)
+                column_of.update((node, i) for i, node in enumerate(nodes))
             if depth < last or (depth > last and not drafter.has_grid):  # no grid head: the next row as this one
                 return in_row(nodes, pool_parents, states, node_tokens, depth)
             if depth == last:  # the parents end the row: each path's row is the next row's row above
@@ -210,8 +214,11 @@ class SSDTreeDrafter:
                 above_states = known_states[:, None].expand(-1, n, -1, -1)
                 above_tokens = known_tokens[:, None].expand(-1, n, -1)
                 if depth:
-                    path_states = torch.stack([torch.stack([seen[a][0] for a in path], 1) for path in paths], 1)
-                    path_tokens = torch.stack([torch.stack([seen[a][1] for a in path], 1) for path in paths], 1)
+                    # columns[d][p]: path p's node at depth d + 1, as a column of the nodes expanded at that depth
+                    columns = torch.tensor([[column_of[path[d]] for path in paths] for d in range(depth)])
+                    columns = columns.to(states.device)
+                    path_states = torch.stack([level_states[d + 1][:, at] for d, at in enumerate(columns)], 2)
+                    path_tokens = torch.stack([level_tokens[d + 1][:, at] for d, at in enumerate(columns)], 2)
                     above_states = torch.cat([above_states, path_states], 2)  # (rows, n, C, H)
                     above_tokens = torch.cat([above_tokens, path_tokens], 2)  # (B, n, C)
                 embedded = drafter.embed(above_tokens)
