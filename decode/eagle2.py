@@ -122,13 +122,19 @@ class Eagle2Drafter:
                 width = reserve(cache, max(self.total, start + len(nodes)))
                 visible = torch.zeros(len(nodes), width, dtype=torch.bool, device=states.device)
                 visible[:, : frontier + 1] = True
+                seen_rows, seen_slots = [], []  # each node sees its own slot and its ancestors' (one write)
                 for row, node in enumerate(nodes):
                     slot_of[node] = start + row
                     ancestor = pool_parents[node]
                     while ancestor > 0:
-                        visible[row, slot_of[ancestor]] = True
+                        seen_rows.append(row)
+                        seen_slots.append(slot_of[ancestor])
                         ancestor = pool_parents[ancestor]
-                    visible[row, start + row] = True
+                    seen_rows.append(row)
+                    seen_slots.append(start + row)
+                visible[
+                    torch.tensor(seen_rows, device=states.device), torch.tensor(seen_slots, device=states.device)
+                ] = True
                 positions = torch.full((len(nodes),), frontier + depth, device=states.device)
                 positional = positional_arguments(states.shape[0], slots, visible, positions)
                 with writing_at(cache, slots):
