@@ -255,11 +255,13 @@ def _verify(backbone, state, sampling, accept: AcceptRule, run: _Chains, frontie
     )
     kept, rejected, reached, correction = judge_chains(accept, p, q, chain, inside, test_uniform)
     reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < kept[:, None])).sum(0)
+    # The report's counts in one read of the device: reached and kept per chain step, then the kept drafts.
+    read = torch.cat([reached_by_step, kept_by_step, kept.sum()[None]]).tolist()
     for j in range(depth):
-        counts[f"drafted_at_draft_step_{j + 1}"] += int(reached_by_step[j])
-        counts[f"accepted_at_draft_step_{j + 1}"] += int(kept_by_step[j])
-    counts["drafted"] += int(reached.sum())
-    counts["accepted"] += int(kept.sum())
+        counts[f"drafted_at_draft_step_{j + 1}"] += read[j]
+        counts[f"accepted_at_draft_step_{j + 1}"] += read[depth + j]
+    counts["drafted"] += sum(read[:depth])
+    counts["accepted"] += read[-1]
     counts["window_sum"] += depth
     counts["window_passes"] += 1
     # The next token: the residual at a rejection, the target after the last accepted draft otherwise.
