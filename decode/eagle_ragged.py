@@ -255,13 +255,14 @@ def _verify(backbone, state, sampling, accept: AcceptRule, run: _Chains, frontie
     )
     kept, rejected, reached, correction = judge_chains(accept, p, q, chain, inside, test_uniform)
     reached_by_step, kept_by_step = reached.sum(0), (reached & (offsets[None] < kept[:, None])).sum(0)
-    # The report's counts in one read of the device: reached and kept per chain step, then the kept drafts.
-    read = torch.cat([reached_by_step, kept_by_step, kept.sum()[None]]).tolist()
+    # The report's counts in one read of the device. The kept drafts are a prefix of the reached ones, so the
+    # per-step counts sum to reached.sum() and kept.sum().
+    drafted, accepted = torch.stack([reached_by_step, kept_by_step]).tolist()
     for j in range(depth):
-        counts[f"drafted_at_draft_step_{j + 1}"] += read[j]
-        counts[f"accepted_at_draft_step_{j + 1}"] += read[depth + j]
-    counts["drafted"] += sum(read[:depth])
-    counts["accepted"] += read[-1]
+        counts[f"drafted_at_draft_step_{j + 1}"] += drafted[j]
+        counts[f"accepted_at_draft_step_{j + 1}"] += accepted[j]
+    counts["drafted"] += sum(drafted)
+    counts["accepted"] += sum(accepted)
     counts["window_sum"] += depth
     counts["window_passes"] += 1
     # The next token: the residual at a rejection, the target after the last accepted draft otherwise.

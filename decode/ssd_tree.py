@@ -215,8 +215,9 @@ class SSDTreeDrafter:
                 above_tokens = known_tokens[:, None].expand(-1, n, -1)
                 if depth:
                     # columns[d][p]: path p's node at depth d + 1, as a column of the nodes expanded at that depth
-                    columns = torch.tensor([[column_of[path[d]] for path in paths] for d in range(depth)])
-                    columns = columns.to(states.device)
+                    columns = torch.tensor(
+                        [[column_of[path[d]] for path in paths] for d in range(depth)], device=states.device
+                    )
                     path_states = torch.stack([level_states[d + 1][:, at] for d, at in enumerate(columns)], 2)
                     path_tokens = torch.stack([level_tokens[d + 1][:, at] for d, at in enumerate(columns)], 2)
                     above_states = torch.cat([above_states, path_states], 2)  # (rows, n, C, H)
